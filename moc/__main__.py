@@ -1,0 +1,5 @@
+import sys
+
+from moc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""Find the newest intact checkpoint and load this rank's share of it.
+
+Every rank reads only what it holds: its non-expert parameters, its own experts, and
+the optimizer state of the parameters it owns under the sharded optimizer. Because keys
+are per expert and per tensor, the layout at save time does not matter.
+
+The ranks agree on the step: each tries the newest complete step, they take the
+minimum of a success flag over the gloo side group, and if any rank met corruption all
+of them fall back to the next older step together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moc.checkpoint.errors import CorruptCheckpointError
+from moc.checkpoint.manifest import Manifest
+from moc.checkpoint.spec import (
+    ExpertSpec,
+    dense_key,
+    expert_key,
+    flatten_params,
+    load_params,
+    optimizer_state,
+    rng_key,
+)
+from moc.checkpoint.storage import TensorReader, complete_steps
+from moc.parallel.groups import ParallelGroups
+from moc.parallel.optim import ShardedAdamW
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """Reads keys of one manifest, verifying each against its checksum."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        self.root = Path(root)
+        self.manifest = manifest
+        self._readers: dict[Path, TensorReader] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.manifest.entries
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self.manifest.entries.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"step {self.manifest.step}: the manifest has no key {key!r}")
+        path = entry.path(self.root)
+        if path not in self._readers:
+            self._readers[path] = TensorReader(path)
+        return self._readers[path].read(key, entry.crc32)
+
+    def state_names(self, prefix: str) -> list[str]:
+        """Names of the optimizer state tensors stored under `prefix/`."""
+        return sorted({k[len(prefix) + 1:] for k in self.manifest.entries
+                       if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
+
+
+@dataclass
+class RestoreResult:
+    step: int
+    extra: dict[str, Any]
+    source: str = "storage"
+    recovery_s: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+    """Newer steps that were found corrupt and skipped, with the reason."""
+
+
+def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: ShardedAdamW,
+                     spec: ExpertSpec, rank: int) -> None:
+    # Read everything first, then install: a corrupt key must not leave a half-loaded model.
+    params = {k: reader.get(k) for k in flatten_params(model, spec)}
+    experts = spec.by_name()
+    named = dict(model.named_parameters())
+    owned = {n: named[n] for n in optimizer.owned_names()}
+    names = {}
+    for n in owned:
+        if n in experts:
+            prefix = expert_key("optim", experts[n].stem, experts[n].global_ids[0])
+        else:
+            prefix = dense_key("optim", n)
+        names[n] = reader.state_names(prefix)
+    with_state = {n: p for n, p in owned.items() if names[n]}
+    states = optimizer_state(with_state, names, spec, reader.get)
+    rng = reader.get(rng_key(rank)) if rng_key(rank) in reader else None
+
+    load_params(model, spec, params.__getitem__)
+    optimizer.load_local_state(states)
+    if rng is not None:
+        torch.set_rng_state(rng)
+
+
+def _all_ok(ok: bool, groups: ParallelGroups) -> bool:
+    if not groups.distributed:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.side_group)
+    return bool(flag.item())
+
+
+def restore_latest(root: Path, model: nn.Module, optimizer: ShardedAdamW, spec: ExpertSpec,
+                   groups: ParallelGroups, model_meta: dict[str, Any]) -> RestoreResult | None:
+    """Load the newest step every rank can read intact; None when there is none.
+
+    Collective over the side group. IncompatibleCheckpointError (a different model) is
+    raised, not skipped: an older step of the same directory would not fit either.
+    """
+    t0 = time.perf_counter()
+    skipped = []
+    for step in reversed(complete_steps(root)):
+        error = None
+        try:
+            manifest = Manifest.load(root, step)
+            manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
+            _load_rank_state(CheckpointReader(root, manifest), model, optimizer, spec,
+                             groups.rank)
+        except CorruptCheckpointError as e:
+            error = str(e)
+        if _all_ok(error is None, groups):
+            return RestoreResult(step, manifest.extra, "storage", time.perf_counter() - t0,
+                                 skipped)
+        reason = error or "another rank found it corrupt"
+        log.warning("checkpoint step %d is not usable (%s); trying an older one", step, reason)
+        skipped.append(f"step {step}: {reason}")
+    if skipped:
+        raise CorruptCheckpointError(
+            f"{root}: no intact checkpoint; every step failed: {'; '.join(skipped)}")
+    return None

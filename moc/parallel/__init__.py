@@ -1,0 +1,16 @@
+"""Data, expert and expert-data parallelism for the reference trainer."""
+
+from moc.parallel.dispatch import AllToAllDispatcher, shard_experts
+from moc.parallel.grads import (
+    clip_grad_norm_,
+    expert_parameter_names,
+    split_parameters,
+    sync_gradients,
+)
+from moc.parallel.groups import ParallelGroups
+from moc.parallel.layout import ParallelLayout
+from moc.parallel.optim import ShardedAdamW
+
+__all__ = ["AllToAllDispatcher", "ParallelGroups", "ParallelLayout", "ShardedAdamW",
+           "clip_grad_norm_", "expert_parameter_names", "shard_experts", "split_parameters",
+           "sync_gradients"]

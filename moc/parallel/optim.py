@@ -1,0 +1,84 @@
+"""AdamW with its state sharded ZeRO-1 style, one partition per replication group.
+
+Dense parameters are replicated on all W ranks, so their optimizer state is split across
+all W (`ZeroRedundancyOptimizer` over the world group). Expert parameters are replicated
+only on their EDP group, so their state is split across that group. Each rank updates
+the parameters it owns and ZeRO broadcasts the result to the other replicas.
+
+Checkpointing needs to name state, not index it: `local_state()` returns the state of the
+parameters this rank owns keyed by parameter name, and `load_local_state()` puts it back,
+whatever the partition was when it was saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from moc.parallel.grads import split_parameters
+from moc.parallel.groups import ParallelGroups
+
+
+class ShardedAdamW:
+    def __init__(self, model: nn.Module, groups: ParallelGroups, *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1) -> None:
+        dense, experts = split_parameters(model)
+        self._by_name = dict(dense + experts)
+        self._name_of = {id(p): n for n, p in self._by_name.items()}
+        kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for named, group, size in ((dense, groups.world, groups.world_size),
+                                   (experts, groups.edp_group, groups.layout.edp)):
+            if not named:
+                continue
+            # Norm gains and other vectors are not decayed.
+            param_groups = [
+                {"params": [p for _, p in named if p.dim() >= 2]},
+                {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+            ]
+            param_groups = [g for g in param_groups if g["params"]]
+            if groups.distributed and size > 1:
+                opt = ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,
+                                              process_group=group, **kwargs)
+            else:
+                opt = torch.optim.AdamW(param_groups, **kwargs)
+            self.optimizers.append(opt)
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def step(self) -> None:
+        """Update owned parameters; ZeRO broadcasts them to their replicas (collective)."""
+        for opt in self.optimizers:
+            opt.step()
+
+    def _local(self) -> Iterator[torch.optim.Optimizer]:
+        for opt in self.optimizers:
+            yield opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+    def owned_names(self) -> list[str]:
+        """Parameters whose optimizer state lives on this rank."""
+        return [self._name_of[id(p)] for local in self._local()
+                for group in local.param_groups for p in group["params"]]
+
+    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{param name: {"step", "exp_avg", "exp_avg_sq"}} for owned params with state."""
+        return {self._name_of[id(p)]: dict(state)
+                for local in self._local() for p, state in local.state.items()}
+
+    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Install state for owned parameters; `states` must cover every owned one."""
+        for local in self._local():
+            for group in local.param_groups:
+                for p in group["params"]:
+                    name = self._name_of[id(p)]
+                    if name not in states:
+                        raise KeyError(f"no optimizer state given for parameter {name!r}")
+                    local.state[p] = {k: v.to(p.device if v.dim() else "cpu").clone()
+                                      for k, v in states[name].items()}

@@ -1,0 +1,1 @@
+"""Reference trainer: config, data, loop, metrics, fault injection."""

@@ -1,0 +1,56 @@
+"""Command-line options of `moc train`, shared by the launcher and the worker."""
+
+from __future__ import annotations
+
+import argparse
+
+from moc.train.config import CKPT_MODES, PRESETS, TrainConfig
+
+# Options only the launcher understands; the workers never see them.
+LAUNCHER_OPTIONS = ("nproc", "max_restarts")
+
+
+def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
+    if launcher:
+        p.add_argument("--nproc", type=int, default=2,
+                       help="ranks to start on this machine via torchrun (default 2)")
+        p.add_argument("--max-restarts", type=int, default=0,
+                       help="times torchrun restarts the job after a fault (default 0)")
+    p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
+                   help="model and schedule preset (default tiny)")
+    p.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (default: the largest "
+                                          "dividing both ranks and experts)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--data", help="text file or directory (default: Python stdlib sources)")
+    p.add_argument("--ckpt-dir", help="checkpoint directory; resumes from it when it holds one")
+    p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
+    p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="blocking")
+    p.add_argument("--metrics", help="append JSON-lines events to this file (rank 0)")
+    p.add_argument("--fault-at", type=int, help="SIGKILL --fault-rank at this step "
+                                               "(first attempt only)")
+    p.add_argument("--fault-rank", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig.from_preset(
+        args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
+        lr=args.lr, data=args.data, ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
+        ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
+        fault_rank=args.fault_rank)
+
+
+def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Re-serialise the parsed options for `python -m moc.train` under torchrun."""
+    argv = []
+    for action in parser._actions:
+        dest = action.dest
+        if dest in ("help", *LAUNCHER_OPTIONS) or not action.option_strings:
+            continue
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        argv += [action.option_strings[0], str(value)]
+    return argv

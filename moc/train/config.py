@@ -1,0 +1,120 @@
+"""A training run is one `TrainConfig`; the CLI overrides a few of its fields.
+
+Presets (`--config`):
+    tiny   a model that finishes 200 steps on 2 CPU ranks in about a minute (tests, demo)
+    small  a model big enough for accuracy studies on CPU
+    bench  expert state dominates (as in the paper: most bytes are expert optimizer
+           state) and a full checkpoint is a few hundred MB, for checkpoint benchmarks
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from moc.model import ModelConfig
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4, d_ffn=128,
+                             n_experts=4, top_k=2),
+        "batch_size": 8, "steps": 200, "lr": 3e-3, "warmup_steps": 20, "ckpt_interval": 50,
+    },
+    "small": {
+        "model": ModelConfig(seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ffn=256,
+                             n_experts=8, top_k=2),
+        "batch_size": 8, "steps": 1000, "lr": 1e-3, "warmup_steps": 50, "ckpt_interval": 100,
+    },
+    "bench": {
+        # 16 experts x 4 MoE layers x (2 x 256 x 1024) = 33.5M expert parameters against
+        # 1.2M dense ones: a full checkpoint (weights + AdamW moments) is ~420 MB, 96% of
+        # it expert state, most of that expert optimizer state, as in the paper.
+        "model": ModelConfig(seq_len=128, d_model=256, n_layers=4, n_heads=8, d_ffn=1024,
+                             n_experts=16, top_k=2),
+        "batch_size": 4, "steps": 100, "lr": 1e-3, "warmup_steps": 10, "ckpt_interval": 10,
+    },
+}
+
+CKPT_MODES = ("none", "blocking")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "tiny"
+    """Name of the preset the model and defaults came from."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 200
+    """Optimizer steps to train in total (a resumed run continues to this count)."""
+    batch_size: int = 8
+    """Sequences per rank per step; the global batch is batch_size * world size."""
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    ep: int | None = None
+    """Expert-parallel degree; None picks the largest that divides both the number of
+    ranks and the expert count."""
+    data: str | None = None
+    """Text file or directory; None uses the Python standard library's sources."""
+    eval_batches: int = 8
+    """Validation batches per rank for the final validation loss."""
+    ckpt_dir: str | None = None
+    ckpt_interval: int = 50
+    ckpt_mode: str = "blocking"
+    """none or blocking (more modes arrive with the checkpoint engine)."""
+    metrics: str | None = None
+    """JSON-lines file that rank 0 appends events to."""
+    fault_at: int | None = None
+    """Kill `fault_rank` with SIGKILL when it reaches this step (first attempt only)."""
+    fault_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "ckpt_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.ckpt_mode not in CKPT_MODES:
+            raise ValueError(f"--ckpt-mode must be one of {', '.join(CKPT_MODES)}, "
+                             f"got {self.ckpt_mode!r}")
+        if self.ep is not None and self.ep < 1:
+            raise ValueError(f"--ep must be >= 1, got {self.ep}")
+        if self.fault_at is not None and not 1 <= self.fault_at <= self.steps:
+            raise ValueError(f"--fault-at must be a step in 1..{self.steps}, got {self.fault_at}")
+        if self.fault_rank < 0:
+            raise ValueError(f"--fault-rank must be >= 0, got {self.fault_rank}")
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:
+        if preset not in PRESETS:
+            raise ValueError(f"--config must be one of {', '.join(PRESETS)}, got {preset!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {', '.join(sorted(unknown))}")
+        values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+        return cls(preset=preset, **values)
+
+    def with_model(self, **changes: Any) -> TrainConfig:
+        return replace(self, model=replace(self.model, **changes))
+
+    def resolve_ep(self, world_size: int) -> int:
+        if self.ep is not None:
+            return self.ep
+        return max(d for d in range(1, world_size + 1)
+                   if world_size % d == 0 and self.model.n_experts % d == 0)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)

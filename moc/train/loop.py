@@ -1,0 +1,239 @@
+"""The reference training loop: one process per rank, started by torchrun.
+
+    build model (same seed everywhere) -> keep this rank's experts -> sharded AdamW
+    -> restore the newest checkpoint if there is one
+    -> for each step: batch, forward, backward, reduce gradients, clip, step, checkpoint
+    -> validation loss, summary
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moc.checkpoint.blocking import BlockingCheckpointer, SaveStats
+from moc.model import Transformer
+from moc.parallel import (
+    ParallelGroups,
+    ShardedAdamW,
+    clip_grad_norm_,
+    shard_experts,
+    sync_gradients,
+)
+from moc.train.config import TrainConfig
+from moc.train.data import BatchSampler, Corpus, rank_slice, windows
+from moc.train.metrics import MetricsWriter, Progress, read_events, table
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""Long enough for a slow disk under a blocking save; short enough that a hung peer
+does not hold the job forever when torchrun fails to notice."""
+
+
+def init_distributed() -> None:
+    """Join the torchrun job (gloo on CPU, nccl on GPU); a no-op without torchrun.
+
+    The store is namespaced by torchrun's restart count. torchrun keeps one store for the
+    whole job, and without the prefix a restarted worker reads the addresses its dead
+    predecessors published and fails to connect ("Connection refused").
+    """
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0,
+                          timeout=COLLECTIVE_TIMEOUT)
+    store = dist.PrefixStore(f"moc/attempt-{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter) -> None:
+    """SIGKILL this process at `--fault-at` on `--fault-rank`, on the first attempt only:
+    a restarted job must get past the step that killed it."""
+    if cfg.fault_at == step and cfg.fault_rank == rank and restart_count() == 0:
+        metrics.emit("fault", step=step, rank=rank, kind="process")
+        metrics.close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mean_over_ranks(value: torch.Tensor, groups: ParallelGroups) -> float:
+    value = value.detach().clone().float()
+    if groups.distributed:
+        dist.all_reduce(value, group=groups.world)
+        value /= groups.world_size
+    return value.item()
+
+
+@dataclass
+class RunResult:
+    steps: int
+    final_loss: float
+    val_loss: float
+    wall_s: float
+    losses: dict[int, float] = field(default_factory=dict)
+    checkpoints: list[SaveStats] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        init_distributed()
+        torch.use_deterministic_algorithms(True)
+        self.cfg = cfg
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
+        self.rank = self.groups.rank
+        self.is_main = self.rank == 0
+        if cfg.fault_at is not None and cfg.fault_rank >= world:
+            raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with {world} ranks")
+
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(cfg.model)
+        shard_experts(self.model, self.groups)
+        self.optimizer = ShardedAdamW(self.model, self.groups, lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay)
+        self.corpus = Corpus.load(cfg.data, cfg.model.seq_len)
+        self.sampler = BatchSampler(len(self.corpus.train), cfg.model.seq_len,
+                                    cfg.batch_size * world, cfg.seed)
+        self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
+        self.checkpointer = None
+        if cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
+            self.checkpointer = BlockingCheckpointer(cfg.ckpt_dir, self.model, self.optimizer,
+                                                     self.groups, self.model_meta())
+        self.step = 0
+
+    def model_meta(self) -> dict[str, Any]:
+        return self.cfg.model.to_dict()
+
+    def extra_state(self) -> dict[str, Any]:
+        """The loop's own state; parameters, optimizer and RNG are saved as tensors."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(),
+                "schedule": {"lr": self.cfg.lr, "warmup_steps": self.cfg.warmup_steps,
+                             "steps": self.cfg.steps, "min_lr_ratio": self.cfg.min_lr_ratio},
+                "seed": self.cfg.seed}
+
+    def restore(self, progress: Progress) -> int | None:
+        if self.checkpointer is None:
+            return None
+        last_seen = None
+        if self.is_main and self.cfg.metrics:
+            steps = [e["step"] for e in read_events(self.cfg.metrics) if e["event"] == "step"]
+            last_seen = max(steps) if steps else None
+        result = self.checkpointer.restore()
+        if result is None:
+            return None
+        self.step = result.extra["step"]
+        self.sampler.load_state_dict(result.extra["sampler"])
+        for reason in result.skipped:
+            progress.message(f"skipped corrupt checkpoint: {reason}")
+        progress.message(f"resumed from checkpoint step {result.step} "
+                         f"({result.source}, {result.recovery_s:.2f}s)")
+        self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
+                          resumed_from=result.step, source=result.source,
+                          recovery_s=result.recovery_s, restart=restart_count())
+        return result.step
+
+    def train_step(self) -> tuple[float, int]:
+        cfg, groups = self.cfg, self.groups
+        starts = rank_slice(self.sampler.next(), self.rank, groups.world_size)
+        x_BT, y_BT = windows(self.corpus.train, starts, cfg.model.seq_len)
+        out = self.model(x_BT, y_BT)
+        out.loss.backward()
+        sync_gradients(self.model, groups)
+        clip_grad_norm_(self.model, groups, cfg.grad_clip)
+        self.optimizer.set_lr(cfg.lr_at(self.step))
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        return _mean_over_ranks(out.loss, groups), x_BT.numel() * groups.world_size
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        cfg, T = self.cfg, self.cfg.model.seq_len
+        n_windows = (len(self.corpus.val) - 1) // T
+        total = cfg.eval_batches * cfg.batch_size * self.groups.world_size
+        # Evenly spaced windows over the validation split, the same on every run.
+        starts = torch.linspace(0, n_windows - 1, total).long() * T
+        mine = rank_slice(starts, self.rank, self.groups.world_size)
+        losses = []
+        for batch in mine.split(cfg.batch_size):
+            x_BT, y_BT = windows(self.corpus.val, batch, T)
+            losses.append(self.model(x_BT, y_BT).ce_loss)
+        return _mean_over_ranks(torch.stack(losses).mean(), self.groups)
+
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        progress = Progress(cfg.steps, enabled=self.is_main)
+        resumed_from = self.restore(progress)
+        progress = Progress(cfg.steps, start=self.step, enabled=self.is_main)
+        result = RunResult(cfg.steps, float("nan"), float("nan"), 0.0, resumed_from=resumed_from)
+        loss = float("nan")
+        self.model.train()
+        while self.step < cfg.steps:
+            self.step += 1
+            maybe_inject_fault(cfg, self.step, self.rank, self.metrics)
+            t_step = time.perf_counter()
+            loss, tokens = self.train_step()
+            step_time = time.perf_counter() - t_step
+            result.losses[self.step] = loss
+            self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
+                              tokens=tokens, lr=cfg.lr_at(self.step))
+            note = ""
+            if self.checkpointer is not None and self.step % cfg.ckpt_interval == 0:
+                stats = self.checkpointer.save(self.step, self.extra_state())
+                result.checkpoints.append(stats)
+                self.metrics.emit("checkpoint", step=self.step, stall_s=stats.stall_s,
+                                  bytes=stats.bytes, bytes_per_rank=stats.bytes_per_rank,
+                                  mode=stats.mode)
+                note = f" ckpt {stats.bytes / 1e6:.1f} MB in {stats.stall_s:.2f}s"
+            progress.update(self.step, loss, note)
+        self.model.eval()
+        result.final_loss = loss
+        result.val_loss = self.validate()
+        result.wall_s = time.perf_counter() - t0
+        self.metrics.emit("summary", steps=self.step, final_loss=result.final_loss,
+                          val_loss=result.val_loss, wall_s=result.wall_s)
+        if self.is_main:
+            progress.message(self.summary(result))
+        return result
+
+    def summary(self, r: RunResult) -> str:
+        cfg, g = self.cfg, self.groups
+        rows = [
+            ("config", f"{cfg.preset} ({sum(p.numel() for p in self.model.parameters()):,} "
+                       f"params on rank 0)"),
+            ("ranks / ep", f"{g.world_size} / {g.layout.ep}"),
+            ("steps", f"{r.steps}" + (f" (resumed from {r.resumed_from})"
+                                       if r.resumed_from is not None else "")),
+            ("final train loss", f"{r.final_loss:.4f}"),
+            ("validation loss", f"{r.val_loss:.4f}"),
+            ("wall time", f"{r.wall_s:.1f}s (this attempt)"),
+        ]
+        if r.checkpoints:
+            stalls = [c.stall_s for c in r.checkpoints]
+            rows += [("checkpoints", f"{len(r.checkpoints)} x {cfg.ckpt_mode}, "
+                                     f"{r.checkpoints[-1].bytes / 1e6:.1f} MB each"),
+                     ("median stall", f"{statistics.median(stalls):.3f}s")]
+        return "\n" + table(rows, "moc train summary")
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

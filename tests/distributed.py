@@ -1,0 +1,59 @@
+"""Run a function on W real processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[Any]:
+    """Start `world` processes running fn(rank, world, *args); return their results."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        errors = [(Path(out) / f"rank{r}.err") for r in range(world)]
+        msgs = [e.read_text() for e in errors if e.exists()]
+        if msgs or any(p.exitcode != 0 for p in procs):
+            raise AssertionError(f"ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
+                                 + "\n".join(msgs))
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
