@@ -50,6 +50,17 @@ class Manifest:
     """Bytes of each file written at this step, by file name."""
     extra: dict[str, Any] = field(default_factory=dict)
     """JSON state of the training loop (step counter, data position, schedule, ...)."""
+    experts: dict[str, Any] = field(default_factory=dict)
+    """{"n_experts": N, "n_moe_layers": M, "stems": {stem: moe layer}}: which key stems
+    hold expert tensors, so tools can map keys to (layer, expert)."""
+    policy: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint policy at this step, e.g. {"name": "pec", "k": 1, "selection":
+    "sequential", "apply_to": "both"}."""
+    experts_saved: dict[str, list[int]] = field(default_factory=dict)
+    """MoE layer index (as a string) -> global expert ids written at this step."""
+    tokens: dict[str, Any] = field(default_factory=dict)
+    """Routed-token accounting for PLT (see moc.checkpoint.tokens): cumulative counts
+    per (layer, expert) at this step and at the save of each expert's newest copy."""
     version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -81,7 +92,11 @@ class Manifest:
             return cls(step=int(d["step"]), mode=str(d["mode"]), layout=dict(d["layout"]),
                        model=dict(d["model"]), entries=entries,
                        files={str(k): int(v) for k, v in d.get("files", {}).items()},
-                       extra=dict(d.get("extra", {})), version=int(d["version"]))
+                       extra=dict(d.get("extra", {})), experts=dict(d.get("experts", {})),
+                       policy=dict(d.get("policy", {})),
+                       experts_saved={str(k): [int(x) for x in v]
+                                      for k, v in d.get("experts_saved", {}).items()},
+                       tokens=dict(d.get("tokens", {})), version=int(d["version"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{source}: malformed manifest entry ({e!r})") from None
 
