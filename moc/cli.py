@@ -97,12 +97,39 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train the reference MoE model under torchrun")
     add_train_args(train, launcher=True)
     sub.add_parser("demo", help="the main job: train with a fault and recover")
+    inspect = sub.add_parser("inspect", help="list a checkpoint directory's steps, the "
+                             "experts each saved and how old every expert's copy is")
+    inspect.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    inspect.add_argument("--json", action="store_true", help="one JSON document instead")
+    verify = sub.add_parser("verify", help="re-check every checksum and file size; exit 1 "
+                            "if anything is corrupt or missing")
+    verify.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    bench = sub.add_parser("bench", help="benchmarks: `moc bench size --help`",
+                           add_help=False)
+    bench.add_argument("what", choices=["size"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            from moc.bench import size
+
+            return size.main(args.rest)
         if args.command == "train":
             return launch(args, train)
         if args.command == "demo":
             return demo()
+        if args.command == "inspect":
+            from moc.checkpoint.tools import format_inspect, inspect_checkpoints
+
+            info = inspect_checkpoints(args.dir)
+            print(format_inspect(info, as_json=args.json))
+            return 0
+        if args.command == "verify":
+            from moc.checkpoint.tools import format_verify, verify_checkpoints
+
+            report = verify_checkpoints(args.dir)
+            print(format_verify(report))
+            return 0 if report.ok else 1
     except (ValueError, CheckpointError) as e:
         print(f"moc {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -92,7 +92,7 @@ class Manifest:
             return cls(step=int(d["step"]), mode=str(d["mode"]), layout=dict(d["layout"]),
                        model=dict(d["model"]), entries=entries,
                        files={str(k): int(v) for k, v in d.get("files", {}).items()},
-                       extra=dict(d.get("extra", {})), experts=dict(d.get("experts", {})),
+                       extra=dict(d.get("extra", {})), experts=_experts(d.get("experts", {})),
                        policy=dict(d.get("policy", {})),
                        experts_saved={str(k): [int(x) for x in v]
                                       for k, v in d.get("experts_saved", {}).items()},
@@ -122,3 +122,14 @@ class Manifest:
             raise IncompatibleCheckpointError(
                 f"{source} was written for a different model ({'; '.join(diffs)}); "
                 "use the same model config or a different --ckpt-dir")
+
+
+def _experts(d: dict[str, Any]) -> dict[str, Any]:
+    """Validate the `experts` field: stems must map to MoE layer indices."""
+    out = dict(d)
+    if "stems" in out:
+        out["stems"] = {str(k): int(v) for k, v in dict(out["stems"]).items()}
+    for k in ("n_experts", "n_moe_layers"):
+        if k in out:
+            out[k] = int(out[k])
+    return out

@@ -23,6 +23,7 @@ from torch import nn
 
 from moc.checkpoint.errors import CorruptCheckpointError
 from moc.checkpoint.manifest import Manifest
+from moc.checkpoint.optim_state import OptimizerState
 from moc.checkpoint.spec import (
     ExpertSpec,
     dense_key,
@@ -34,7 +35,6 @@ from moc.checkpoint.spec import (
 )
 from moc.checkpoint.storage import TensorReader, complete_steps
 from moc.parallel.groups import ParallelGroups
-from moc.parallel.optim import ShardedAdamW
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,15 @@ class CheckpointReader:
 @dataclass
 class RestoreResult:
     step: int
-    extra: dict[str, Any]
+    manifest: Manifest
     source: str = "storage"
     recovery_s: float = 0.0
     skipped: list[str] = field(default_factory=list)
     """Newer steps that were found corrupt and skipped, with the reason."""
+    skipped_steps: list[int] = field(default_factory=list)
 
 
-def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: ShardedAdamW,
+def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: OptimizerState,
                      spec: ExpertSpec, rank: int) -> None:
     # Read everything first, then install: a corrupt key must not leave a half-loaded model.
     params = {k: reader.get(k) for k in flatten_params(model, spec)}
@@ -108,7 +109,7 @@ def _all_ok(ok: bool, groups: ParallelGroups) -> bool:
     return bool(flag.item())
 
 
-def restore_latest(root: Path, model: nn.Module, optimizer: ShardedAdamW, spec: ExpertSpec,
+def restore_latest(root: Path, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
                    groups: ParallelGroups, model_meta: dict[str, Any]) -> RestoreResult | None:
     """Load the newest step every rank can read intact; None when there is none.
 
@@ -116,7 +117,7 @@ def restore_latest(root: Path, model: nn.Module, optimizer: ShardedAdamW, spec: 
     raised, not skipped: an older step of the same directory would not fit either.
     """
     t0 = time.perf_counter()
-    skipped = []
+    skipped, skipped_steps = [], []
     for step in reversed(complete_steps(root)):
         error = None
         try:
@@ -127,11 +128,12 @@ def restore_latest(root: Path, model: nn.Module, optimizer: ShardedAdamW, spec: 
         except CorruptCheckpointError as e:
             error = str(e)
         if _all_ok(error is None, groups):
-            return RestoreResult(step, manifest.extra, "storage", time.perf_counter() - t0,
-                                 skipped)
+            return RestoreResult(step, manifest, "storage", time.perf_counter() - t0, skipped,
+                                 skipped_steps)
         reason = error or "another rank found it corrupt"
         log.warning("checkpoint step %d is not usable (%s); trying an older one", step, reason)
         skipped.append(f"step {step}: {reason}")
+        skipped_steps.append(step)
     if skipped:
         raise CorruptCheckpointError(
             f"{root}: no intact checkpoint; every step failed: {'; '.join(skipped)}")

@@ -210,6 +210,23 @@ def remove_abandoned(root: Path) -> list[Path]:
                 continue
         elif not d.name.endswith(".tmp"):
             continue
-        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d)
         removed.append(d)
     return removed
+
+
+def set_aside(root: Path, step: int, reason: str) -> Path:
+    """Rename a complete step that failed verification to `step-N.corrupt`.
+
+    Kept for inspection rather than deleted, and out of the way: it is never read again,
+    retention does not count it among the newest steps, and the step number can be
+    committed anew by the run that continues from an older step.
+    """
+    src = step_dir(root, step)
+    dst = Path(root) / f"{src.name}.corrupt"
+    if dst.exists():
+        shutil.rmtree(dst)
+    src.rename(dst)
+    (dst / "CORRUPT.txt").write_text(reason + "\n")
+    fsync_dir(Path(root))
+    return dst

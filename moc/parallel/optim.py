@@ -73,12 +73,20 @@ class ShardedAdamW:
                 for local in self._local() for p, state in local.state.items()}
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Install state for owned parameters; `states` must cover every owned one."""
+        """Install state for owned parameters. An owned parameter missing from `states`
+        (saved before its first update) starts fresh, as it did then."""
         for local in self._local():
-            for group in local.param_groups:
-                for p in group["params"]:
-                    name = self._name_of[id(p)]
-                    if name not in states:
-                        raise KeyError(f"no optimizer state given for parameter {name!r}")
-                    local.state[p] = {k: v.to(p.device if v.dim() else "cpu").clone()
-                                      for k, v in states[name].items()}
+            load_named_state(local, self._name_of, states)
+
+
+def load_named_state(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
+                     states: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace the state of every parameter of `optimizer` by `states[name]` (copied to
+    the parameter's device; scalars such as AdamW's `step` stay on the CPU)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state.pop(p, None)
+            state = states.get(name_of[id(p)])
+            if state:
+                optimizer.state[p] = {k: v.to(p.device if v.dim() else "cpu").clone()
+                                      for k, v in state.items()}

@@ -28,10 +28,33 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--ckpt-dir", help="checkpoint directory; resumes from it when it holds one")
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
     p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="blocking")
+    p.add_argument("--k-persist", help="pec: experts saved per MoE layer per checkpoint, "
+                                       "an integer or 'all' (default 1)")
+    p.add_argument("--selection", choices=["sequential", "load-aware"], default="sequential",
+                   help="pec: which experts a checkpoint saves")
+    p.add_argument("--pec-apply", choices=["weights", "optimizer", "both"], default="both",
+                   help="pec: which expert state is partial (paper's W, O, WO)")
+    p.add_argument("--dynamic-k", action="store_true",
+                   help="pec: double K after a recovery whose PLT exceeds --plt-threshold")
+    p.add_argument("--plt-threshold", type=float, default=0.0375)
+    p.add_argument("--keep-last", type=int,
+                   help="keep the newest N checkpoints (and the older steps they reference)")
     p.add_argument("--metrics", help="append JSON-lines events to this file (rank 0)")
     p.add_argument("--fault-at", type=int, help="SIGKILL --fault-rank at this step "
                                                "(first attempt only)")
     p.add_argument("--fault-rank", type=int, default=0)
+
+
+def parse_k(value: str | None) -> int | None:
+    """'all' -> None (every expert); otherwise a positive integer."""
+    if value is None:
+        return 1
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--k-persist must be an integer or 'all', got {value!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -39,7 +62,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
         lr=args.lr, data=args.data, ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
         ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
-        fault_rank=args.fault_rank)
+        fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
+        selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
+        plt_threshold=args.plt_threshold, keep_last=args.keep_last)
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -50,7 +75,10 @@ def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
         if dest in ("help", *LAUNCHER_OPTIONS) or not action.option_strings:
             continue
         value = getattr(args, dest)
-        if value is None:
+        if value is None or value is False:
+            continue
+        if value is True:  # a store_true flag
+            argv.append(action.option_strings[0])
             continue
         argv += [action.option_strings[0], str(value)]
     return argv

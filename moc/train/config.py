@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-CKPT_MODES = ("none", "blocking")
+CKPT_MODES = ("none", "blocking", "pec")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,19 @@ class TrainConfig:
     ckpt_dir: str | None = None
     ckpt_interval: int = 50
     ckpt_mode: str = "blocking"
-    """none or blocking (more modes arrive with the checkpoint engine)."""
+    """none; blocking (the Megatron-DeepSpeed baseline: every expert, rank 0 and EP group
+    0 write, training waits); pec (partial experts checkpointing)."""
+    k_persist: int | None = 1
+    """pec: experts saved per MoE layer per checkpoint; None saves all (K = N)."""
+    selection: str = "sequential"
+    """pec: sequential or load-aware."""
+    pec_apply: str = "both"
+    """pec: which expert state is partial: weights, optimizer or both."""
+    dynamic_k: bool = False
+    """pec: double K when a recovery's PLT exceeds plt_threshold."""
+    plt_threshold: float = 0.0375
+    keep_last: int | None = None
+    """Keep the newest N checkpoints (and every older step they still reference)."""
     metrics: str | None = None
     """JSON-lines file that rank 0 appends events to."""
     fault_at: int | None = None
@@ -84,6 +96,10 @@ class TrainConfig:
         if self.ckpt_mode not in CKPT_MODES:
             raise ValueError(f"--ckpt-mode must be one of {', '.join(CKPT_MODES)}, "
                              f"got {self.ckpt_mode!r}")
+        if self.k_persist is not None and self.k_persist < 1:
+            raise ValueError(f"--k-persist must be >= 1 or 'all', got {self.k_persist}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
         if self.ep is not None and self.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
         if self.fault_at is not None and not 1 <= self.fault_at <= self.steps:
@@ -99,7 +115,10 @@ class TrainConfig:
         unknown = set(overrides) - known
         if unknown:
             raise ValueError(f"unknown TrainConfig fields: {', '.join(sorted(unknown))}")
-        values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+        # None means "not given" for the fields a preset sets; elsewhere it is a value
+        # (k_persist=None: every expert).
+        given = {k: v for k, v in overrides.items() if v is not None or k not in PRESETS[preset]}
+        values = {**PRESETS[preset], **given}
         return cls(preset=preset, **values)
 
     def with_model(self, **changes: Any) -> TrainConfig:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moc.checkpoint.blocking import BlockingCheckpointer, SaveStats
+from moc.checkpoint.checkpointer import Checkpointer, SaveStats
+from moc.checkpoint.selection import PECPolicy
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
@@ -113,9 +114,18 @@ class Trainer:
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
         self.checkpointer = None
         if cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
-            self.checkpointer = BlockingCheckpointer(cfg.ckpt_dir, self.model, self.optimizer,
-                                                     self.groups, self.model_meta())
+            self.checkpointer = Checkpointer(
+                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
+                policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
+                model_meta=self.model_meta(), mode=cfg.ckpt_mode)
         self.step = 0
+
+    def policy(self) -> PECPolicy:
+        cfg = self.cfg
+        if cfg.ckpt_mode == "blocking":
+            return PECPolicy.full()
+        return PECPolicy(k=cfg.k_persist, selection=cfg.selection, apply_to=cfg.pec_apply,
+                         dynamic_k=cfg.dynamic_k, plt_threshold=cfg.plt_threshold)
 
     def model_meta(self) -> dict[str, Any]:
         return self.cfg.model.to_dict()
@@ -142,10 +152,18 @@ class Trainer:
         for reason in result.skipped:
             progress.message(f"skipped corrupt checkpoint: {reason}")
         progress.message(f"resumed from checkpoint step {result.step} "
-                         f"({result.source}, {result.recovery_s:.2f}s)")
+                         f"({result.source}, {result.recovery_s:.2f}s, "
+                         f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f})")
         self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
                           resumed_from=result.step, source=result.source,
-                          recovery_s=result.recovery_s, restart=restart_count())
+                          recovery_s=result.recovery_s, restart=restart_count(),
+                          plt=result.plt, lost_tokens=result.lost_tokens,
+                          lost_per_layer=result.lost_per_layer)
+        if result.k != result.k_before:
+            progress.message(f"Dynamic-K: PLT {result.plt:.4f} > {self.cfg.plt_threshold}, "
+                             f"K {result.k_before} -> {result.k}")
+            self.metrics.emit("dynamic_k", step=result.step, k=result.k, plt=result.plt,
+                              k_before=result.k_before)
         return result.step
 
     def train_step(self) -> tuple[float, int]:
@@ -156,6 +174,9 @@ class Trainer:
         out.loss.backward()
         sync_gradients(self.model, groups)
         clip_grad_norm_(self.model, groups, cfg.grad_clip)
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_snapshot()
+            self.checkpointer.record_routing(out.tokens_per_expert)
         self.optimizer.set_lr(cfg.lr_at(self.step))
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
@@ -194,12 +215,14 @@ class Trainer:
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                               tokens=tokens, lr=cfg.lr_at(self.step))
             note = ""
-            if self.checkpointer is not None and self.step % cfg.ckpt_interval == 0:
-                stats = self.checkpointer.save(self.step, self.extra_state())
+            stats = (self.checkpointer.maybe_save(self.step, self.extra_state())
+                     if self.checkpointer is not None else None)
+            if stats is not None:
                 result.checkpoints.append(stats)
                 self.metrics.emit("checkpoint", step=self.step, stall_s=stats.stall_s,
                                   bytes=stats.bytes, bytes_per_rank=stats.bytes_per_rank,
-                                  mode=stats.mode)
+                                  mode=stats.mode, k=stats.k,
+                                  experts_saved=stats.n_experts_saved)
                 note = f" ckpt {stats.bytes / 1e6:.1f} MB in {stats.stall_s:.2f}s"
             progress.update(self.step, loss, note)
         self.model.eval()
@@ -226,8 +249,9 @@ class Trainer:
         ]
         if r.checkpoints:
             stalls = [c.stall_s for c in r.checkpoints]
+            mean_mb = statistics.mean(c.bytes for c in r.checkpoints) / 1e6
             rows += [("checkpoints", f"{len(r.checkpoints)} x {cfg.ckpt_mode}, "
-                                     f"{r.checkpoints[-1].bytes / 1e6:.1f} MB each"),
+                                     f"{mean_mb:.1f} MB on average"),
                      ("median stall", f"{statistics.median(stalls):.3f}s")]
         return "\n" + table(rows, "moc train summary")
 

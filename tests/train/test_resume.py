@@ -19,9 +19,9 @@ def moc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def _train(root: Path, *extra: str) -> list[dict]:
+def _train(root: Path, *extra: str, interval: int = 10) -> list[dict]:
     r = moc("train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", "20",
-            "--ckpt-dir", str(root / "ckpt"), "--ckpt-interval", "10",
+            "--ckpt-dir", str(root / "ckpt"), "--ckpt-interval", str(interval),
             "--metrics", str(root / "metrics.jsonl"), *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return read_events(root / "metrics.jsonl")
@@ -29,12 +29,17 @@ def _train(root: Path, *extra: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
-    straight = tmp_path_factory.mktemp("straight")
-    faulted = tmp_path_factory.mktemp("faulted")
+    fault = ("--fault-at", "15", "--fault-rank", "1", "--max-restarts", "1")
+    dirs = {name: tmp_path_factory.mktemp(name)
+            for name in ("straight", "faulted", "pec_all", "pec_k1")}
     return {
-        "straight": (straight, _train(straight)),
-        "faulted": (faulted, _train(faulted, "--fault-at", "15", "--fault-rank", "1",
-                                    "--max-restarts", "1")),
+        "straight": (dirs["straight"], _train(dirs["straight"])),
+        "faulted": (dirs["faulted"], _train(dirs["faulted"], *fault)),
+        "pec_all": (dirs["pec_all"], _train(dirs["pec_all"], "--ckpt-mode", "pec",
+                                            "--k-persist", "all", *fault)),
+        "pec_k1": (dirs["pec_k1"], _train(dirs["pec_k1"], "--ckpt-mode", "pec",
+                                          "--k-persist", "1", "--keep-last", "1", *fault,
+                                          interval=3)),
     }
 
 
@@ -46,11 +51,13 @@ def _losses(events: list[dict]) -> dict[int, list[float]]:
     return out
 
 
-def test_interrupted_run_equals_uninterrupted_bitwise(runs):
-    (_, straight), (_, faulted) = runs["straight"], runs["faulted"]
+@pytest.mark.parametrize("run", ["faulted", "pec_all"])
+def test_interrupted_run_equals_uninterrupted_bitwise(runs, run):
+    (_, straight), (_, faulted) = runs["straight"], runs[run]
     recoveries = [e for e in faulted if e["event"] == "recovery"]
     assert len(recoveries) == 1 and recoveries[0]["resumed_from"] == 10
     assert recoveries[0]["source"] == "storage"
+    assert recoveries[0]["lost_tokens"] == 0 and recoveries[0]["plt"] == 0.0
     a, b = _losses(straight), _losses(faulted)
     # Steps 11-14 ran twice in the faulted run (before the kill and after the restart).
     assert [len(b[s]) for s in range(11, 15)] == [2, 2, 2, 2]
@@ -58,8 +65,9 @@ def test_interrupted_run_equals_uninterrupted_bitwise(runs):
         assert all(loss == a[step][0] for loss in b[step]), f"step {step}: {a[step]} vs {b[step]}"
 
 
-def test_final_parameters_and_optimizer_state_are_bitwise_identical(runs):
-    (ra, _), (rb, _) = runs["straight"], runs["faulted"]
+@pytest.mark.parametrize("run", ["faulted", "pec_all"])
+def test_final_parameters_and_optimizer_state_are_bitwise_identical(runs, run):
+    (ra, _), (rb, _) = runs["straight"], runs[run]
     ma, mb = Manifest.load(ra / "ckpt", 20), Manifest.load(rb / "ckpt", 20)
     assert ma.entries.keys() == mb.entries.keys()
     assert any(k.startswith("optim/") and "/expert=" in k for k in ma.entries)
@@ -68,6 +76,30 @@ def test_final_parameters_and_optimizer_state_are_bitwise_identical(runs):
         if key.startswith("rng/"):
             continue
         assert torch.equal(read_a.get(key), read_b.get(key)), key
+
+
+def test_pec_k1_recovery_reports_lost_tokens_and_keeps_referenced_steps(runs):
+    root, events = runs["pec_k1"]
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    # tiny: 2 MoE layers x 4 experts; the chain's first checkpoint saves all 8.
+    assert ckpts[0]["experts_saved"] == 8 and ckpts[1]["experts_saved"] == 2
+    assert all(e["k"] == 1 and e["mode"] == "pec" for e in ckpts)
+    assert ckpts[1]["bytes"] < ckpts[0]["bytes"]
+    (recovery,) = [e for e in events if e["event"] == "recovery"]
+    assert recovery["resumed_from"] == 12
+    assert recovery["lost_tokens"] > 0 and 0 < recovery["plt"] < 1
+    assert recovery["lost_tokens"] == sum(recovery["lost_per_layer"])
+    summary = [e for e in events if e["event"] == "summary"]
+    assert summary and summary[-1]["steps"] == 20
+    # keep_last=1: only the newest step stays restorable, but the older steps its experts
+    # live in stay on disk as data only (demoted).
+    from moc.checkpoint.retention import SUPERSEDED, referenced_steps
+    from moc.checkpoint.storage import complete_steps, step_dir
+    newest = Manifest.load(root / "ckpt", 18)
+    assert complete_steps(root / "ckpt") == [18]
+    assert all(step_dir(root / "ckpt", s).is_dir() for s in referenced_steps(newest))
+    assert any((step_dir(root / "ckpt", s) / SUPERSEDED).is_file()
+               for s in referenced_steps(newest) - {18})
 
 
 def test_checkpoint_of_another_model_config_is_a_one_line_error(runs):
