@@ -1,3 +1,22 @@
-"""moc: cheap fault tolerance for Mixture-of-Experts training in PyTorch."""
+"""moc: cheap fault tolerance for Mixture-of-Experts training in PyTorch.
 
-__version__ = "0.1.0"
+    ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
+
+See README.md for the training-loop integration and docs/FORMAT.md for the files.
+"""
+
+from moc.checkpoint.checkpointer import Checkpointer, RecoveryReport, SaveStats
+from moc.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.spec import ExpertSpec
+from moc.parallel.groups import ParallelGroups
+
+__version__ = "0.2.0"
+
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "ExpertSpec",
+           "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "RecoveryReport",
+           "SaveStats"]

@@ -1,4 +1,5 @@
-"""`moc` command line: train (launches torchrun itself) and demo (the main job)."""
+"""`moc` command line: train (launches torchrun itself), demo (the main job), inspect and
+verify (checkpoint directories), bench (measurements)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def demo() -> int:
-    """The main job: 2 ranks, ep=2, tiny, 200 steps, a fault at step 130, recovery."""
+    """The main job: 2 ranks, ep=2, tiny, 200 steps with partial experts checkpoints
+    (K = 1 of 4 experts per layer, Dynamic-K), a SIGKILL at step 130, recovery, and what
+    the recovery lost."""
     from moc.train.metrics import read_events, table
 
     if DEMO_DIR.exists():
@@ -67,6 +70,7 @@ def demo() -> int:
     metrics = DEMO_DIR / "metrics.jsonl"
     argv = ["train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", "200",
             "--ckpt-dir", str(DEMO_DIR / "ckpt"), "--ckpt-interval", "25",
+            "--ckpt-mode", "pec", "--k-persist", "1", "--dynamic-k", "--keep-last", "2",
             "--fault-at", "130", "--fault-rank", "1", "--max-restarts", "1",
             "--metrics", str(metrics)]
     print("moc demo: moc " + " ".join(argv), flush=True)
@@ -77,16 +81,25 @@ def demo() -> int:
     ckpts = [e for e in events if e["event"] == "checkpoint"]
     recoveries = [e for e in events if e["event"] == "recovery"]
     summary = [e for e in events if e["event"] == "summary"][-1]
-    rows = [("checkpoints", f"{len(ckpts)} ({ckpts[-1]['mode']}, "
-                            f"{ckpts[-1]['bytes'] / 1e6:.2f} MB, median stall "
-                            f"{statistics.median(e['stall_s'] for e in ckpts):.3f}s)")]
+    first, second = ckpts[0], ckpts[1]
+    rows = [("checkpoints", f"{len(ckpts)} x {first['mode']}: first {first['bytes'] / 1e6:.2f}"
+                            f" MB (all experts), then K={second['k']}: "
+                            f"{second['bytes'] / 1e6:.2f} MB ({second['experts_saved']} experts)"),
+            ("median stall", f"{statistics.median(e['stall_s'] for e in ckpts):.3f}s")]
     for r in recoveries:
         rows.append(("fault + recovery",
                      f"rank 1 killed at step 130; last step logged {r['step']}, resumed "
                      f"from {r['resumed_from']} ({r['source']}) in {r['recovery_s']:.2f}s"))
+        rows.append(("lost tokens", f"{r['lost_tokens']} expert assignments, "
+                                    f"PLT {100 * r['plt']:.2f}% (budget 3.75%)"))
+    for e in events:
+        if e["event"] == "dynamic_k":
+            rows.append(("Dynamic-K", f"PLT over budget: K {e['k_before']} -> {e['k']} "
+                                      "experts per layer from then on"))
     rows += [("final train loss", f"{summary['final_loss']:.4f}"),
              ("validation loss", f"{summary['val_loss']:.4f}"),
-             ("metrics", str(metrics))]
+             ("metrics", str(metrics)),
+             ("look inside", f"moc inspect {DEMO_DIR / 'ckpt'}; moc verify {DEMO_DIR / 'ckpt'}")]
     print("\n" + table(rows, "moc demo: what happened"))
     return 0
 

@@ -1,0 +1,46 @@
+"""PEC on real ranks: every rank agrees on the selection and writes its share."""
+
+from __future__ import annotations
+
+import torch
+
+from moc.checkpoint.checkpointer import Checkpointer
+from moc.checkpoint.manifest import Manifest
+from moc.checkpoint.selection import PECPolicy
+from moc.model import ModelConfig, Transformer
+from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
+from tests.distributed import run_ranks
+
+CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+
+
+def _save_load_aware(rank: int, world: int, root: str) -> dict:
+    groups = ParallelGroups.from_world(2, CFG.n_experts)
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    shard_experts(model, groups)
+    opt = ShardedAdamW(model, groups, lr=1e-2)
+    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1,
+                        policy=PECPolicy(k=1, selection="load-aware"))
+    ckpt.save(0)
+    # Ranks see different local routing; only the sum over ranks may decide.
+    local = torch.zeros(2, 4, dtype=torch.int64)
+    local[0, rank] = 10 + rank     # layer 0: ranks 0..3 vote for experts 0..3
+    local[1, 3 - rank] = 5         # layer 1: a tie broken by staleness, then id
+    ckpt.record_routing(local)
+    stats = ckpt.save(1)
+    return {"selected": stats.experts_saved, "bytes": stats.bytes_per_rank}
+
+
+def test_load_aware_selection_is_identical_on_every_rank(tmp_path):
+    results = run_ranks(_save_load_aware, 4, str(tmp_path))
+    # Global layer-0 counts: expert e got 10 + e tokens -> expert 3 wins.
+    assert all(r["selected"] == [[3], [0]] for r in results)
+    manifest = Manifest.load(tmp_path, 1)
+    assert manifest.experts_saved == {"0": [3], "1": [0]}
+    # Baseline placement: rank 0 (dense) and EP group 0 (ranks 0, 1) write; 2, 3 do not.
+    b = results[0]["bytes"]
+    assert b[0] > 0 and b[1] > 0 and b[2] == 0 and b[3] == 0
+    fresh = [k for k, e in manifest.entries.items() if e.step == 1 and "/expert=" in k]
+    assert {k.split("/expert=")[1].split("/")[0] for k in fresh
+            if "layers.0." in k} == {"3"}
