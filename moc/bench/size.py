@@ -1,5 +1,10 @@
-"""`moc bench size`: bytes written per checkpoint, PEC K = 1, 2, N against the blocking
-baseline, measured by real `moc train` runs (torchrun, W ranks) on the same model/data.
+"""`moc bench size`: what a checkpoint writes, in total and per rank: PEC K = 1, 2, N,
+sharded (every rank writes a share) and with the baseline placement (rank 0 and
+expert-parallel group 0 write), against the blocking baseline. Measured by real
+`moc train` runs (torchrun, W ranks) on the same model and data.
+
+Imbalance is the busiest rank's bytes over the mean (1.0: every rank wrote the same),
+the median over a strategy's checkpoints.
 
 Each strategy trains a few steps with a checkpoint every step. The first checkpoint of a
 PEC chain saves every expert (there is no older copy yet), so the figure reported is the
@@ -36,8 +41,11 @@ def parameter_counts(config: str) -> tuple[int, int]:
     return sum(p.numel() for _, p in dense), sum(p.numel() for _, p in experts)
 
 
-def _run(workdir: Path, args: list[str], nproc: int, config: str, steps: int) -> list[dict]:
+def _run(workdir: Path, args: list[str], nproc: int, ep: int | None, config: str,
+         steps: int) -> list[dict]:
     metrics = workdir / "metrics.jsonl"
+    if ep is not None:
+        args = [*args, "--ep", str(ep)]
     cmd = [sys.executable, "-m", "moc", "train", "--nproc", str(nproc), "--config", config,
            "--steps", str(steps), "--ckpt-interval", "1", "--ckpt-dir", str(workdir / "ckpt"),
            "--metrics", str(metrics), *args]
@@ -47,49 +55,65 @@ def _run(workdir: Path, args: list[str], nproc: int, config: str, steps: int) ->
     return [e for e in read_events(metrics) if e["event"] == "checkpoint"]
 
 
-def run(nproc: int, config: str, steps: int, ks: list[int], workdir: Path) -> dict[str, Any]:
+def strategies(n_experts: int, ks: list[int]) -> list[tuple[str, str, list[str], int]]:
+    """(name, placement, moc train options, K) of every strategy measured."""
+    pec = ["--ckpt-mode", "pec", "--k-persist"]
+    out = [("blocking", "baseline", ["--ckpt-mode", "blocking"], n_experts),
+           ("pec-all", "sharded", [*pec, "all"], n_experts),
+           ("pec-all", "baseline", [*pec, "all", "--no-shard"], n_experts)]
+    for k in ks:
+        out.append((f"pec-k{k}", "sharded", [*pec, str(k)], k))
+    out.append((f"pec-k{ks[0]}", "baseline", [*pec, str(ks[0]), "--no-shard"], ks[0]))
+    return out
+
+
+def run(nproc: int, ep: int | None, config: str, steps: int, ks: list[int], workdir: Path
+        ) -> dict[str, Any]:
     n = PRESETS[config]["model"].n_experts
     p_ne, p_e = parameter_counts(config)
-    strategies: list[tuple[str, list[str], int]] = [("blocking", ["--ckpt-mode", "blocking"], n)]
-    strategies += [(f"pec-k{k}", ["--ckpt-mode", "pec", "--k-persist", str(k)], k) for k in ks]
-    strategies.append((f"pec-k{n} (all)", ["--ckpt-mode", "pec", "--k-persist", "all"], n))
     results: dict[str, Any] = {}
-    for name, args, k in strategies:
-        d = workdir / name.split()[0]
-        events = _run(d, args, nproc, config, steps)
+    for name, placement, args, k in strategies(n, ks):
+        label = f"{name} ({placement})"
+        d = workdir / f"{name}-{placement}"
+        events = _run(d, args, nproc, ep, config, steps)
         shutil.rmtree(d, ignore_errors=True)
         later = events[1:] if name.startswith("pec") else events
-        results[name] = {
+        results[label] = {
             "k": k,
+            "placement": placement,
             "bytes_per_ckpt": int(statistics.median(e["bytes"] for e in later)),
             "first_ckpt_bytes": events[0]["bytes"],
             "predicted_bytes": int((p_ne + k / n * p_e) * (B_W + B_O)),
+            "bytes_per_rank": later[-1]["bytes_per_rank"],
+            "imbalance": statistics.median(e["imbalance"] for e in later),
             "stall_median_s": statistics.median(e["stall_s"] for e in later),
             "checkpoints": len(events),
         }
-    base = results["blocking"]["bytes_per_ckpt"]
+    base = results["blocking (baseline)"]
     for r in results.values():
-        r["ratio_vs_blocking"] = r["bytes_per_ckpt"] / base
-        r["predicted_ratio"] = r["predicted_bytes"] / results["blocking"]["predicted_bytes"]
-    return {"config": {"preset": config, "nproc": nproc, "steps": steps, "n_experts": n,
-                       "params_non_expert": p_ne, "params_expert": p_e},
+        r["ratio_vs_blocking"] = r["bytes_per_ckpt"] / base["bytes_per_ckpt"]
+        r["predicted_ratio"] = r["predicted_bytes"] / base["predicted_bytes"]
+    return {"config": {"preset": config, "nproc": nproc, "ep": ep, "steps": steps,
+                       "n_experts": n, "params_non_expert": p_ne, "params_expert": p_e},
             "strategies": results}
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = ["| strategy | K | bytes/ckpt | predicted | vs blocking | predicted ratio "
-             "| median stall |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| imbalance | median stall |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result["strategies"].items():
         lines.append(f"| {name} | {r['k']} | {r['bytes_per_ckpt'] / 1e6:.1f} MB "
                      f"| {r['predicted_bytes'] / 1e6:.1f} MB | {r['ratio_vs_blocking']:.3f} "
-                     f"| {r['predicted_ratio']:.3f} | {r['stall_median_s']:.3f} s |")
+                     f"| {r['predicted_ratio']:.3f} | {r['imbalance']:.3f} "
+                     f"| {r['stall_median_s']:.3f} s |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench size", description=__doc__)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ep", type=int, help="expert-parallel degree (moc train's default)")
     p.add_argument("--config", default="bench", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=5, help="steps (= checkpoints) per strategy")
     p.add_argument("--k", type=int, nargs="+", default=[1, 2], help="partial K values")
@@ -100,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         raise ValueError("--steps must be >= 2: a PEC chain's first checkpoint is full")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        result = run(args.nproc, args.config, args.steps, args.k, Path(tmp))
+        result = run(args.nproc, args.ep, args.config, args.steps, args.k, Path(tmp))
     cfg = result["config"]
     print(table([("model", f"{cfg['preset']}: {cfg['params_non_expert']:,} non-expert + "
                            f"{cfg['params_expert']:,} expert parameters, N = {cfg['n_experts']}"),
-                 ("ranks", str(cfg["nproc"]))], "moc bench size"))
+                 ("ranks / ep", f"{cfg['nproc']} / {cfg['ep'] or 'default'}")],
+                "moc bench size"))
     print()
     print(markdown(result))
     if args.json:

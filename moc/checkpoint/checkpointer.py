@@ -16,14 +16,23 @@ writers below), and when (every `interval` steps) are separate decisions. Every 
 the model and optimizer is in every manifest: keys not written at a step point at the
 older step that holds their newest copy, so one manifest resolves the whole state.
 
-Writers (this release): the Megatron-DeepSpeed placement. Rank 0 writes the non-expert
-state (the non-expert optimizer state is gathered to it from its ZeRO owners) and the
-ranks of expert-parallel group 0 write the selected experts (their optimizer state
-gathered from the expert's replicas). With the full policy this is the blocking baseline.
+Writers. Sharded (the default): every rank writes an equal share at the same time
+(`moc.checkpoint.plan`): the optimizer state it owns under ZeRO, its RNG, and the expert
+and non-expert modules the planner gives it among the ranks holding them; nothing moves
+between ranks. Baseline (`sharded=False`): the Megatron-DeepSpeed placement, rank 0 writes
+the non-expert state (its optimizer state gathered from the ZeRO owners) and the ranks of
+expert-parallel group 0 write the experts; with the full policy that is the blocking
+baseline of the paper.
+
+Failures. A rank that fails to write makes the step incomplete on every rank: nothing is
+committed, `save` returns stats with `error` set, and the chain goes on from the previous
+complete checkpoint. Every collective is entered by every rank in the same order whatever
+fails, so no rank is left waiting.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.manifest import Entry, Manifest
 from moc.checkpoint.optim_state import as_optimizer_state
+from moc.checkpoint.plan import DENSE, EXPERT, FIXED, WriteUnit, imbalance, plan_writes
 from moc.checkpoint.recovery import restore_latest
 from moc.checkpoint.selection import PECPolicy, SelectionContext, select_experts
 from moc.checkpoint.spec import (
     ExpertSpec,
+    expert_key,
     flatten_optimizer,
     flatten_params,
     parse_expert_key,
@@ -68,10 +80,21 @@ class SaveStats:
     k: int
     experts_saved: list[list[int]]
     """Global expert ids written per MoE layer."""
+    error: str | None = None
+    """Why the step was not committed (a rank failed to write); None when it was."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def bytes(self) -> int:
         return sum(self.bytes_per_rank)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's bytes over the mean (1.0: every rank wrote the same)."""
+        return imbalance(self.bytes_per_rank)
 
     @property
     def n_experts_saved(self) -> int:
@@ -108,12 +131,19 @@ def default_model_meta(model: nn.Module, spec: ExpertSpec) -> dict[str, Any]:
                       if n not in experts}}
 
 
+OPTIM_BYTES_PER_PARAM_BYTE = 2
+"""Planning estimate of optimizer state per byte of parameter (AdamW: two moments). It
+only balances the plan; what is written is measured."""
+
+_RNG = re.compile(r"^rng/rank=(\d+)$")
+
+
 class Checkpointer:
     def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
                  experts: ExpertSpec | None = None, groups: ParallelGroups | None = None,
                  policy: PECPolicy | None = None, interval: int = 10,
                  keep_last: int | None = None, model_meta: dict[str, Any] | None = None,
-                 mode: str | None = None) -> None:
+                 mode: str | None = None, sharded: bool = True) -> None:
         if interval < 1:
             raise ValueError(f"Checkpointer interval must be >= 1, got {interval}")
         if keep_last is not None and keep_last < 1:
@@ -126,6 +156,7 @@ class Checkpointer:
         self.optimizer = as_optimizer_state(optimizer, model)
         self.policy = policy if policy is not None else PECPolicy.full()
         self.mode = mode or ("full" if self.policy.selection == "full" else "pec")
+        self.sharded = sharded
         self.interval = interval
         self.keep_last = keep_last
         self.model_meta = model_meta or default_model_meta(model, self.spec)
@@ -134,11 +165,13 @@ class Checkpointer:
         self._stems = self.spec.stems()
         self._manifest: Manifest | None = None
         self._index = 0  # checkpoints in this chain so far (the sequential rotation's c)
-        self._plt_base = 0.0  # cumulative PLT when K last changed (Dynamic-K)
+        # Per-layer lost tokens when K last changed: Dynamic-K judges what was lost since.
+        self._lost_base = torch.zeros(self.spec.n_moe_layers, dtype=torch.int64)
         # Step of each expert's newest saved copy; load-aware breaks ties by it.
         self._saved_at = torch.zeros((self.spec.n_moe_layers, self.spec.n_experts),
                                      dtype=torch.int64)
         self._retention = None
+        self._retention_error: str | None = None
         if keep_last is not None and self.groups.rank == 0:
             from moc.checkpoint.retention import BackgroundRetention
             self._retention = BackgroundRetention(self.root, keep_last)
@@ -159,7 +192,7 @@ class Checkpointer:
             return None
         return self.save(step, extra_state)
 
-    # -- saving ----------------------------------------------------------------------------
+    # -- what is written -------------------------------------------------------------------
 
     def _select(self, step: int) -> list[list[int]]:
         spec = self.spec
@@ -169,32 +202,99 @@ class Checkpointer:
         stale = (step - self._saved_at).tolist()
         ctx = SelectionContext(self._index, spec.n_experts, spec.n_moe_layers, self.k,
                                unsaved_tokens=tuple(map(tuple, self.ledger.unsaved().tolist())),
-                               staleness=tuple(map(tuple, stale)))
+                               staleness=tuple(map(tuple, stale)), ep=self.groups.layout.ep)
         return select_experts(self.policy.selection, ctx)
 
-    def _wanted(self, selected: list[set[int]], prev: dict[str, Entry]):
-        """Predicate: is this key written at this checkpoint?"""
+    def _wanted(self, selected: list[set[int]], prev: dict[str, Entry], step: int):
+        """Predicate: is this key written at this checkpoint? Non-expert keys always;
+        the partial part of an expert's state when it is selected; any key with no
+        usable older copy (none yet, or one in the step directory this save replaces)."""
         apply_to = self.policy.apply_to
 
         def wanted(key: str) -> bool:
             parsed = parse_expert_key(key)
-            if parsed is None or key not in prev:
+            if parsed is None or key not in prev or prev[key].step >= step:
                 return True
             kind, stem, gid = parsed
             partial = apply_to == "both" or (apply_to == "weights") == (kind == "param")
             return not partial or gid in selected[self._stems[stem]]
         return wanted
 
-    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> SaveStats:
-        """Checkpoint `step` now. Collective; blocks until the step is committed."""
-        t0 = time.perf_counter()
-        g = self.groups
-        side = g.side_group
-        self.ledger.sync(side)
-        selected = self._select(step)
-        prev = self._manifest.entries if self._manifest is not None else {}
-        wanted = self._wanted([set(s) for s in selected], prev)
+    # -- who writes it -----------------------------------------------------------------------
 
+    def _units(self, wanted) -> tuple[list[WriteUnit], dict[str, str]]:
+        """The plan's units, the same on every rank, and the unit of each local key.
+
+        Every rank derives every unit from what it can see: the dense parameters (the
+        same everywhere), the shape of one expert's tensors (the same for every expert
+        of a layer), the layout, and the optimizer's owner map. Sizes of optimizer state
+        are estimated (OPTIM_BYTES_PER_PARAM_BYTE): the plan only needs to balance.
+        """
+        g, layout, spec = self.groups, self.groups.layout, self.spec
+        everyone = tuple(range(g.world_size))
+        owner_of = getattr(self.optimizer, "owner_of", None)
+        replicated_optim = owner_of is None  # each rank holds the state of what it holds
+        factor = 1 + (OPTIM_BYTES_PER_PARAM_BYTE if replicated_optim else 0)
+        sizes: dict[str, int] = {}
+        holders: dict[str, tuple[int, ...]] = {}
+        kinds: dict[str, str] = {}
+        unit_of: dict[str, str] = {}
+        fixed = [0] * g.world_size
+
+        def add(unit: str, nbytes: int, who: tuple[int, ...], kind: str) -> None:
+            sizes[unit] = sizes.get(unit, 0) + nbytes
+            holders[unit], kinds[unit] = who, kind
+
+        experts = spec.by_name()
+        for name, p in self.model.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if name not in experts:
+                unit = f"dense:{name.rsplit('.', 1)[0]}"
+                add(unit, nbytes * factor, everyone, DENSE)
+                unit_of[f"param/{name}"] = unit
+                if not replicated_optim:
+                    fixed[owner_of(name, g.ep_rank)] += nbytes * OPTIM_BYTES_PER_PARAM_BYTE
+                continue
+            ep = experts[name]
+            per_expert = nbytes // len(ep.global_ids)
+            for gid in range(spec.n_experts):  # every expert, local or not
+                key = expert_key("param", ep.stem, gid)
+                if key in unit_of:
+                    continue
+                unit = unit_of[key] = f"expert:{ep.moe_layer}:{gid}"
+                size = per_expert * wanted(key)
+                if replicated_optim and wanted(expert_key("optim", ep.stem, gid, "exp_avg")):
+                    size += per_expert * OPTIM_BYTES_PER_PARAM_BYTE
+                add(unit, size, tuple(layout.expert_replicas(gid)), EXPERT)
+            if not replicated_optim:
+                for e_rank in range(layout.ep):
+                    ids = layout.local_experts(e_rank)
+                    n = sum(wanted(expert_key("optim", ep.stem, gid, "exp_avg")) for gid in ids)
+                    fixed[owner_of(name, e_rank)] += n * per_expert * OPTIM_BYTES_PER_PARAM_BYTE
+        units = [WriteUnit(u, sizes[u], holders[u], kinds[u]) for u in sizes]
+        units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
+        return units, unit_of
+
+    def _sharded_tensors(self, wanted) -> dict[str, torch.Tensor]:
+        """This rank's share: nothing moves between ranks."""
+        g = self.groups
+        units, unit_of = self._units(wanted)
+        writer = plan_writes(units, g.world_size).writer
+        mine = lambda key: writer[unit_of[key]] == g.rank  # noqa: E731
+        params = flatten_params(self.model, self.spec)
+        tensors = {k: v for k, v in params.items() if wanted(k) and mine(k)}
+        optim = flatten_optimizer(self.optimizer.local_state(), self.spec)
+        optim = {k: v for k, v in optim.items() if wanted(k)}
+        if getattr(self.optimizer, "owner_of", None) is None:
+            # Replicated optimizer state goes with its parameter's unit.
+            optim = {k: v for k, v in optim.items() if mine(_param_key(k))}
+        tensors.update(optim)
+        tensors[rng_key(g.rank)] = torch.get_rng_state()
+        return tensors
+
+    def _baseline_tensors(self, wanted) -> dict[str, torch.Tensor]:
+        """Rank 0: all non-expert state; EP group 0: the experts (collective)."""
+        g = self.groups
         expert_names = {p.name for p in self.spec.params}
         local = self.optimizer.local_state()
         dense_optim = flatten_optimizer(
@@ -202,68 +302,118 @@ class Checkpointer:
         expert_optim = flatten_optimizer(
             {n: s for n, s in local.items() if n in expert_names}, self.spec)
         expert_optim = {k: v for k, v in expert_optim.items() if wanted(k)}
-        # Consolidate onto the writers (the baseline placement).
         dense_optim[rng_key(g.rank)] = torch.get_rng_state()
-        dense_optims = gather_tensors(dense_optim, 0, side)
-        expert_optims = gather_tensors(expert_optim, g.ep_rank, g.edp_group)
-
-        if g.rank == 0:
-            begin_step(self.root, step)
-        self._barrier()
-
-        tensors: dict[str, torch.Tensor] = {}
+        dense_parts = gather_tensors(dense_optim, 0, g.side_group)
+        expert_parts = gather_tensors(expert_optim, g.ep_rank, g.edp_side_group)
         params = flatten_params(self.model, self.spec)
+        tensors: dict[str, torch.Tensor] = {}
         if g.rank == 0:
             tensors.update({k: v for k, v in params.items() if parse_expert_key(k) is None})
-            for part in dense_optims:
+            for part in dense_parts:
                 tensors.update(part)
         if g.rank < g.layout.ep:  # expert-parallel group 0 writes the experts
             tensors.update({k: v for k, v in params.items()
                             if parse_expert_key(k) is not None and wanted(k)})
-            for part in expert_optims:
+            for part in expert_parts:
                 tensors.update(part)
+        return tensors
 
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> SaveStats:
+        """Checkpoint `step` now. Collective; blocks until the step is committed (or
+        found incomplete: then `error` is set and the previous checkpoint stays newest)."""
+        t0 = time.perf_counter()
+        g = self.groups
+        self.ledger.sync(g.side_group)
+        selected = self._select(step)
+        prev = self._manifest.entries if self._manifest is not None else {}
+        wanted = self._wanted([set(s) for s in selected], prev, step)
+        tensors = (self._sharded_tensors(wanted) if self.sharded
+                   else self._baseline_tensors(wanted))
+
+        error = None
+        if g.rank == 0:
+            try:
+                begin_step(self.root, step)
+            except OSError as e:
+                error = f"rank 0 could not create the step directory: {e}"
+        self._barrier()
         entries: dict[str, Entry] = {}
         nbytes = 0
-        if tensors:
+        if tensors and error is None:
             name = rank_file(g.rank)
             path = tmp_dir(self.root, step) / name
-            records = write_safetensors(path, tensors)
-            nbytes = path.stat().st_size
-            entries = {k: Entry(step, name, r.dtype, r.shape, r.crc32)
-                       for k, r in records.items()}
-        # Every rank learns every entry: the next checkpoint's chain needs them everywhere.
-        reports = _all_gather((g.rank, entries, nbytes), side, g)
-
+            try:
+                records = write_safetensors(path, tensors)
+                nbytes = path.stat().st_size
+                entries = {k: Entry(step, name, r.dtype, r.shape, r.crc32)
+                           for k, r in records.items()}
+            except OSError as e:
+                error = f"rank {g.rank} could not write {path}: {e}"
+        # Every rank learns every entry (the next checkpoint's chain needs them) and
+        # every failure (so that all ranks take the same path from here).
+        reports = _all_gather((g.rank, entries, nbytes, error, self._retention_error),
+                              g.side_group, g)
+        errors = [r[3] for r in reports if r[3]]
+        retention_error = reports[0][4]
+        self._retention_error = None
         bytes_per_rank = [0] * g.world_size
-        all_entries = dict(prev)
-        files = {}
-        for rank, rank_entries, rank_bytes in reports:
-            all_entries.update(rank_entries)
+        for rank, _, rank_bytes, _, _ in reports:
             bytes_per_rank[rank] = rank_bytes
+        if errors:
+            return SaveStats(step, time.perf_counter() - t0, bytes_per_rank, self.mode,
+                             self.k, [[] for _ in selected], "; ".join(errors))
+
+        # Ranks that no longer exist (a restart on fewer ranks) leave no RNG behind.
+        all_entries = {k: e for k, e in prev.items()
+                       if not ((m := _RNG.match(k)) and int(m.group(1)) >= g.world_size)}
+        files = {}
+        for rank, rank_entries, rank_bytes, _, _ in reports:
+            all_entries.update(rank_entries)
             if rank_bytes:
                 files[rank_file(rank)] = rank_bytes
         written = self._experts_written(all_entries, step)
-        self.ledger.mark_saved(written)
-        self._saved_at = self._newest_copies(all_entries)
         manifest = Manifest(
             step=step, mode=self.mode, layout={"world_size": g.world_size, "ep": g.layout.ep},
             model=self.model_meta, entries=all_entries, files=files, extra=extra_state or {},
             experts={"n_experts": self.spec.n_experts, "n_moe_layers": self.spec.n_moe_layers,
                      "stems": self._stems},
             policy={**self.policy.to_dict(), "k": self.k, "index": self._index,
-                    "plt_base": self._plt_base},
+                    "lost_base": self._lost_base.tolist()},
             experts_saved={str(m): e for m, e in enumerate(written)},
-            tokens=self.ledger.to_json())
+            tokens={**self.ledger.to_json(),
+                    "at_save": self._at_save_after(written).tolist()})
+        commit_error = None
         if g.rank == 0:
-            commit_step(self.root, step, manifest.to_json())
-        self._barrier()  # blocks until the step is committed
+            try:
+                commit_step(self.root, step, manifest.to_json())
+            except OSError as e:
+                commit_error = f"rank 0 could not commit step {step}: {e}"
+        commit_error = _all_gather(commit_error, g.side_group, g)[0]
+        if commit_error:
+            return SaveStats(step, time.perf_counter() - t0, bytes_per_rank, self.mode,
+                             self.k, [[] for _ in selected], commit_error)
+
         self._manifest = manifest
         self._index += 1
+        self.ledger.mark_saved(written)
+        self._saved_at = self._newest_copies(all_entries)
         if self._retention is not None:
-            self._retention.request()
+            try:
+                self._retention.request()
+            except CheckpointError as e:  # reported to every rank with the next save
+                self._retention_error = str(e)
+        if retention_error:
+            raise CheckpointError(retention_error)
         return SaveStats(step, time.perf_counter() - t0, bytes_per_rank, self.mode, self.k,
                          written)
+
+    def _at_save_after(self, written: list[list[int]]) -> torch.Tensor:
+        at_save = self.ledger.at_save.clone()
+        for m, experts in enumerate(written):
+            at_save[m, experts] = self.ledger.cumulative[m, experts]
+        return at_save
 
     def _tracked_kind(self) -> str:
         """The partial part of expert state that PLT accounting follows: the weights,
@@ -306,15 +456,19 @@ class Checkpointer:
         self._saved_at = self._newest_copies(manifest.entries)
         policy = manifest.policy
         self._index = int(policy.get("index", -1)) + 1
-        self.k = int(policy.get("k", self.k))
-        self._plt_base = float(policy.get("plt_base", 0.0))
         self.ledger.load_json(manifest.tokens)
         plt = self.ledger.recover()
+        # K: what the user asked for, unless Dynamic-K had already raised it in this run.
         k_before = self.k
+        if self.policy.dynamic_k and "k" in policy:
+            k_before = max(self.k, int(policy["k"]))
+            self._lost_base = torch.tensor(policy.get("lost_base", [0] * len(plt.lost_per_layer)),
+                                           dtype=torch.int64)
+        self.k = k_before
         if (self.policy.dynamic_k and self.k < self.spec.n_experts
-                and plt.plt - self._plt_base > self.policy.plt_threshold):
+                and self.ledger.plt(self._lost_base) > self.policy.plt_threshold):
             self.k = min(2 * self.k, self.spec.n_experts)
-            self._plt_base = plt.plt
+            self._lost_base = self.ledger.lost.clone()
         return RecoveryReport(result.step, manifest.extra, result.source, result.recovery_s,
                               plt.lost_tokens, plt.lost_per_layer, plt.plt, self.k, k_before,
                               result.skipped)
@@ -327,6 +481,14 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self.groups.distributed:
             dist.barrier(group=self.groups.side_group)
+
+
+def _param_key(optim_key: str) -> str:
+    """param/<name> or param/<stem>/expert=<g> for an optimizer key of that tensor."""
+    parsed = parse_expert_key(optim_key)
+    if parsed is not None:
+        return expert_key("param", parsed[1], parsed[2])
+    return "param/" + optim_key[len("optim/"):].rsplit("/", 1)[0]
 
 
 def _all_gather(obj: Any, group: dist.ProcessGroup | None, groups: ParallelGroups

@@ -114,14 +114,32 @@ class Manifest:
         return manifest
 
     def check_model(self, model: dict[str, Any], source: str) -> None:
-        """Raise IncompatibleCheckpointError naming every field that differs."""
-        diffs = [f"{k}: checkpoint {self.model.get(k)!r} vs now {model.get(k)!r}"
-                 for k in sorted(set(self.model) | set(model))
-                 if self.model.get(k) != model.get(k)]
+        """Raise IncompatibleCheckpointError naming the fields that differ."""
+        diffs = _differences(self.model, model)
         if diffs:
+            shown = "; ".join(diffs[:MAX_DIFFS_SHOWN])
+            hidden = len(diffs) - MAX_DIFFS_SHOWN
+            more = f" (and {hidden} more)" if hidden > 0 else ""
             raise IncompatibleCheckpointError(
-                f"{source} was written for a different model ({'; '.join(diffs)}); "
+                f"{source} was written for a different model ({shown}{more}); "
                 "use the same model config or a different --ckpt-dir")
+
+
+MAX_DIFFS_SHOWN = 5
+"""A different width changes every parameter's shape; the first few say enough."""
+
+
+def _differences(saved: Any, now: Any, path: str = "") -> list[str]:
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out = []
+        for k in sorted(set(saved) | set(now), key=str):
+            sub = f"{path}.{k}" if path else str(k)
+            if k not in saved or k not in now:
+                out.append(f"{sub}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}")
+            else:
+                out += _differences(saved[k], now[k], sub)
+        return out
+    return [] if saved == now else [f"{path}: checkpoint {saved!r} vs now {now!r}"]
 
 
 def _experts(d: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moc.checkpoint.errors import CorruptCheckpointError
+from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.optim_state import OptimizerState
 from moc.checkpoint.spec import (
@@ -101,36 +101,54 @@ def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: Opti
         torch.set_rng_state(rng)
 
 
-def _all_ok(ok: bool, groups: ParallelGroups) -> bool:
+def _agree(status: tuple[str, str], groups: ParallelGroups) -> list[tuple[str, str]]:
+    """Every rank's (status, message) for one step, on every rank."""
     if not groups.distributed:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.side_group)
-    return bool(flag.item())
+        return [status]
+    out: list = [None] * groups.world_size
+    dist.all_gather_object(out, status, group=groups.side_group)
+    return out
+
+
+def _candidate_steps(root: Path, groups: ParallelGroups) -> list[int]:
+    """Complete steps, newest first, as rank 0 lists them: every rank must try the same
+    steps in the same order, even where a shared file system shows them stale lists."""
+    steps = [list(reversed(complete_steps(root)))]
+    if groups.distributed:
+        dist.broadcast_object_list(steps, src=0, group=groups.side_group)
+    return steps[0]
 
 
 def restore_latest(root: Path, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
                    groups: ParallelGroups, model_meta: dict[str, Any]) -> RestoreResult | None:
     """Load the newest step every rank can read intact; None when there is none.
 
-    Collective over the side group. IncompatibleCheckpointError (a different model) is
-    raised, not skipped: an older step of the same directory would not fit either.
+    Collective over the side group: the ranks try the same steps in the same order and
+    agree on each outcome. A step any rank finds corrupt is skipped by all of them.
+    IncompatibleCheckpointError (a different model, a shape that does not fit) is raised
+    on every rank, not skipped: an older step of the same directory would not fit either.
     """
     t0 = time.perf_counter()
     skipped, skipped_steps = [], []
-    for step in reversed(complete_steps(root)):
-        error = None
+    for step in _candidate_steps(root, groups):
+        status = ("ok", "")
         try:
             manifest = Manifest.load(root, step)
             manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
             _load_rank_state(CheckpointReader(root, manifest), model, optimizer, spec,
                              groups.rank)
+        except IncompatibleCheckpointError as e:
+            status = ("incompatible", str(e))
         except CorruptCheckpointError as e:
-            error = str(e)
-        if _all_ok(error is None, groups):
+            status = ("corrupt", str(e))
+        statuses = _agree(status, groups)
+        for kind, message in statuses:
+            if kind == "incompatible":
+                raise IncompatibleCheckpointError(message)
+        if all(kind == "ok" for kind, _ in statuses):
             return RestoreResult(step, manifest, "storage", time.perf_counter() - t0, skipped,
                                  skipped_steps)
-        reason = error or "another rank found it corrupt"
+        reason = next(message for kind, message in statuses if kind == "corrupt")
         log.warning("checkpoint step %d is not usable (%s); trying an older one", step, reason)
         skipped.append(f"step {step}: {reason}")
         skipped_steps.append(step)

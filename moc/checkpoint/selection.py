@@ -71,31 +71,46 @@ class SelectionContext:
     """(layers x experts) tokens routed to each expert since its newest saved copy,
     summed over all ranks; needed by load-aware."""
     staleness: tuple[tuple[int, ...], ...] | None = None
-    """(layers x experts) checkpoints since each expert was last saved; load-aware breaks
+    """(layers x experts) steps since each expert was last saved; load-aware breaks
     ties by it, so an idle expert is still saved eventually."""
+    ep: int = 1
+    """Expert-parallel degree: ep rank r holds the contiguous block of experts
+    [r N/ep, (r + 1) N/ep). Sequential selection interleaves over these blocks."""
+
+
+def interleaved(position: int, n_experts: int, ep: int) -> int:
+    """The expert at `position` of the order that visits the ep ranks in turn:
+    0, N/ep, 2N/ep, ..., 1, N/ep + 1, ...  (the identity when ep = 1 or ep does not
+    divide N)."""
+    if ep <= 1 or n_experts % ep:
+        return position
+    return (position % ep) * (n_experts // ep) + position // ep
 
 
 def sequential(ctx: SelectionContext) -> list[list[int]]:
-    """Rotate through the experts, interleaved across layers.
+    """Rotate through the experts, interleaved across layers and expert-parallel ranks.
 
-    K = 1 is the paper's rule: layer m saves expert (m + c) mod N at checkpoint c. For
-    K > 1 dividing N, layer m saves {(m + c) mod (N/K) + j N/K : j < K}: over N/K
-    consecutive checkpoints every expert is saved exactly once, and the K chosen experts
-    are N/K apart, i.e. spread over the expert-parallel ranks (which hold contiguous
-    blocks of experts). When K does not divide N, a window of K experts starting at
-    (m + c K) mod N rotates; every expert is saved at least once per ceil(N/K).
+    K = 1 is the paper's rule: layer m takes position (m + c) mod N at checkpoint c. For
+    K > 1 dividing N, layer m takes the window of K consecutive positions starting at
+    K (m + c) mod N: the N/K windows partition the positions, so over N/K consecutive
+    checkpoints every position is taken exactly once. When K does not divide N the window
+    starts at (m + c K) mod N and every position is taken at least once per ceil(N/K).
+
+    Positions map to experts through `interleaved`, which alternates between the ep
+    ranks' blocks of experts. With one expert per rank (the paper's example) that is the
+    identity; with several it is what spreads one checkpoint's experts, and with them the
+    write work, over the ranks instead of piling consecutive ids onto one rank: the K
+    consecutive positions of a window land on K different ranks (K <= ep), and the
+    layers' windows alternate between ranks.
     """
     N, K, c = ctx.n_experts, ctx.k, ctx.checkpoint_index
     if K >= N:
         return [list(range(N)) for _ in range(ctx.n_moe_layers)]
     out = []
     for m in range(ctx.n_moe_layers):
-        if N % K == 0:
-            stride = N // K
-            chosen = [(m + c) % stride + j * stride for j in range(K)]
-        else:
-            chosen = [(m + c * K + j) % N for j in range(K)]
-        out.append(sorted(chosen))
+        start = K * (m + c) % N if N % K == 0 else (m + c * K) % N
+        positions = [(start + j) % N for j in range(K)]
+        out.append(sorted(interleaved(p, N, ctx.ep) for p in positions))
     return out
 
 

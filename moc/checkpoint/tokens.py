@@ -49,19 +49,23 @@ class TokenLedger:
         self._pending = torch.zeros(shape, dtype=torch.int64)
 
     def record(self, counts: torch.Tensor) -> None:
-        """Add one step's local (layers x experts) counts. Hot path: one add, no sync."""
+        """Add one step's local (layers x experts) counts. Hot path: one add on the
+        counts' own device, no host sync, no communication."""
         if counts.shape != self._pending.shape:
             raise ValueError(f"record_routing expects counts of shape (MoE layers, experts) = "
                              f"{tuple(self._pending.shape)}, got {tuple(counts.shape)}")
-        self._pending += counts.detach().to("cpu", torch.int64)
+        if self._pending.device != counts.device:
+            self._pending = self._pending.to(counts.device)
+        self._pending += counts.detach()
 
     def sync(self, group: dist.ProcessGroup | None) -> None:
-        """Fold the pending local counts of every rank into `cumulative` (collective)."""
-        pending = self._pending
+        """Fold the pending local counts of every rank into `cumulative` (collective over
+        a CPU group)."""
+        pending = self._pending.to("cpu", torch.int64)
         if group is not None:
             dist.all_reduce(pending, group=group)
         self.cumulative += pending
-        self._pending = torch.zeros_like(pending)
+        self._pending = torch.zeros_like(self._pending)
 
     def unsaved(self) -> torch.Tensor:
         return self.cumulative - self.at_save
@@ -75,7 +79,9 @@ class TokenLedger:
                 "lost": self.lost.tolist()}
 
     def load_json(self, d: dict[str, Any]) -> None:
-        """Restore from a manifest; an empty dict (no accounting saved) keeps zeros."""
+        """Restore from a manifest; an empty dict (no accounting saved) starts from zeros.
+        Counts recorded since that checkpoint belong to steps that will be redone."""
+        self._pending = torch.zeros_like(self._pending)
         if not d:
             return
         self.cumulative = torch.tensor(d["cumulative"], dtype=torch.int64)
@@ -84,7 +90,6 @@ class TokenLedger:
         if self.cumulative.shape != (self.n_moe_layers, self.n_experts):
             raise ValueError(f"token counts of shape {tuple(self.cumulative.shape)} do not fit "
                              f"{self.n_moe_layers} MoE layers x {self.n_experts} experts")
-        self._pending.zero_()
 
     def recover(self, restored_at_save: torch.Tensor | None = None) -> PLTReport:
         """Account a recovery to the state just loaded and return the PLT.
@@ -100,10 +105,13 @@ class TokenLedger:
         self.at_save = self.cumulative.clone()
         return PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.plt())
 
-    def plt(self) -> float:
-        """Cumulative PLT: mean over layers of lost / all assignments so far."""
-        total = self.cumulative.sum(dim=1)
-        has = total > 0
-        if not has.any():
-            return 0.0
-        return float((self.lost[has].double() / total[has].double()).mean())
+    def plt(self, lost_base: torch.Tensor | None = None) -> float:
+        """Cumulative PLT: the mean over all MoE layers of lost / all assignments so far.
+
+        With `lost_base` (per-layer lost counts at some earlier point), only the tokens
+        lost since then count: the PLT attributable to the K in force since then.
+        """
+        lost = self.lost if lost_base is None else self.lost - lost_base
+        total = self.cumulative.sum(dim=1).double()
+        per_layer = torch.where(total > 0, lost.double() / total.clamp(min=1), 0.0)
+        return float(per_layer.mean()) if len(per_layer) else 0.0

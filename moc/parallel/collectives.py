@@ -20,7 +20,7 @@ def _pack(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.dtype
                                                       torch.Tensor]:
     meta, parts, size = [], [], 0
     for key, t in tensors.items():
-        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        raw = t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
         pad = -raw.numel() % _ALIGN
         parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
         meta.append((key, t.dtype, tuple(t.shape)))

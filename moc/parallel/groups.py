@@ -23,7 +23,11 @@ class ParallelGroups:
     edp_group: dist.ProcessGroup | None
     """The ranks that hold the same experts as this one (expert gradients, ZeRO)."""
     side_group: dist.ProcessGroup | None
-    """A gloo group for checkpoint coordination, never used by the training stream."""
+    """A gloo group of all ranks for checkpoint coordination, never used by the training
+    stream (with NCCL training, checkpoint traffic stays on CPU and off the GPU stream)."""
+    edp_side_group: dist.ProcessGroup | None = None
+    """A gloo group of this rank's EDP group, for moving CPU checkpoint state between
+    the replicas of an expert (the EDP group itself when training already uses gloo)."""
 
     @property
     def distributed(self) -> bool:
@@ -61,7 +65,12 @@ class ParallelGroups:
             group = dist.new_group(ranks)
             if rank in ranks:
                 edp_group = group
-        # With NCCL for training, checkpoint coordination still needs a CPU group that a
-        # background thread may use without touching the training stream.
         side_group = dist.new_group(backend="gloo")
-        return cls(layout, rank, dist.group.WORLD, ep_group, edp_group, side_group)
+        edp_side_group = edp_group
+        if dist.get_backend() != "gloo":
+            for ranks in layout.edp_groups():
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    edp_side_group = group
+        return cls(layout, rank, dist.group.WORLD, ep_group, edp_group, side_group,
+                   edp_side_group)

@@ -29,6 +29,8 @@ class ShardedAdamW:
         dense, experts = split_parameters(model)
         self._by_name = dict(dense + experts)
         self._name_of = {id(p): n for n, p in self._by_name.items()}
+        self._layout = groups.layout
+        self._expert_names = {n for n, _ in experts}
         kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         self.optimizers: list[torch.optim.Optimizer] = []
         for named, group, size in ((dense, groups.world, groups.world_size),
@@ -61,6 +63,26 @@ class ShardedAdamW:
     def _local(self) -> Iterator[torch.optim.Optimizer]:
         for opt in self.optimizers:
             yield opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+    def owner_of(self, name: str, ep_rank: int) -> int:
+        """Global rank owning the optimizer state of parameter `name`; for an expert
+        parameter, of the copy held by expert-parallel rank `ep_rank`.
+
+        Every rank can answer for every parameter without communication: ZeRO's
+        partition is a deterministic function of the parameters, and every EDP group
+        partitions the same parameter names with the same shapes in the same order.
+        """
+        param = self._by_name[name]
+        expert = name in self._expert_names
+        for opt in self.optimizers:
+            if not isinstance(opt, ZeroRedundancyOptimizer):
+                if any(param is p for g in opt.param_groups for p in g["params"]):
+                    return ep_rank if expert else 0  # an unsharded group of one
+                continue
+            if param in opt._param_to_rank:  # private but stable since torch 1.8
+                j = opt._param_to_rank[param]
+                return ep_rank + j * self._layout.ep if expert else j
+        raise KeyError(f"parameter {name!r} is not optimized by this ShardedAdamW")
 
     def owned_names(self) -> list[str]:
         """Parameters whose optimizer state lives on this rank."""

@@ -37,6 +37,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--dynamic-k", action="store_true",
                    help="pec: double K after a recovery whose PLT exceeds --plt-threshold")
     p.add_argument("--plt-threshold", type=float, default=0.0375)
+    p.add_argument("--no-shard", action="store_true",
+                   help="pec: keep the baseline placement (rank 0 + EP group 0 write) "
+                        "instead of every rank writing an equal share")
     p.add_argument("--keep-last", type=int,
                    help="keep the newest N checkpoints (and the older steps they reference)")
     p.add_argument("--metrics", help="append JSON-lines events to this file (rank 0)")
@@ -64,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
         fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
-        plt_threshold=args.plt_threshold, keep_last=args.keep_last)
+        plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard)
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

@@ -76,6 +76,9 @@ class TrainConfig:
     dynamic_k: bool = False
     """pec: double K when a recovery's PLT exceeds plt_threshold."""
     plt_threshold: float = 0.0375
+    shard: bool = True
+    """pec: every rank writes an equal share (the sharded planner); False keeps the
+    baseline placement (rank 0 and expert-parallel group 0 write) for comparison."""
     keep_last: int | None = None
     """Keep the newest N checkpoints (and every older step they still reference)."""
     metrics: str | None = None

@@ -39,7 +39,8 @@ does not hold the job forever when torchrun fails to notice."""
 
 
 def init_distributed() -> None:
-    """Join the torchrun job (gloo on CPU, nccl on GPU); a no-op without torchrun.
+    """Join the torchrun job (gloo: the reference trainer trains on the CPU); a no-op
+    without torchrun.
 
     The store is namespaced by torchrun's restart count. torchrun keeps one store for the
     whole job, and without the prefix a restarted worker reads the addresses its dead
@@ -47,7 +48,7 @@ def init_distributed() -> None:
     """
     if dist.is_initialized() or "RANK" not in os.environ:
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"  # the reference trainer runs on the CPU; see docs/STATUS.md
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -117,7 +118,8 @@ class Trainer:
             self.checkpointer = Checkpointer(
                 self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
                 policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
-                model_meta=self.model_meta(), mode=cfg.ckpt_mode)
+                model_meta=self.model_meta(), mode=cfg.ckpt_mode,
+                sharded=cfg.ckpt_mode == "pec" and cfg.shard)
         self.step = 0
 
     def policy(self) -> PECPolicy:
@@ -217,11 +219,15 @@ class Trainer:
             note = ""
             stats = (self.checkpointer.maybe_save(self.step, self.extra_state())
                      if self.checkpointer is not None else None)
-            if stats is not None:
+            if stats is not None and not stats.ok:
+                self.metrics.emit("checkpoint_failed", step=self.step, error=stats.error)
+                progress.message(f"checkpoint of step {self.step} failed, training goes on "
+                                 f"from the previous one: {stats.error}")
+            elif stats is not None:
                 result.checkpoints.append(stats)
                 self.metrics.emit("checkpoint", step=self.step, stall_s=stats.stall_s,
                                   bytes=stats.bytes, bytes_per_rank=stats.bytes_per_rank,
-                                  mode=stats.mode, k=stats.k,
+                                  imbalance=stats.imbalance, mode=stats.mode, k=stats.k,
                                   experts_saved=stats.n_experts_saved)
                 note = f" ckpt {stats.bytes / 1e6:.1f} MB in {stats.stall_s:.2f}s"
             progress.update(self.step, loss, note)

@@ -208,3 +208,47 @@ def test_dynamic_k_doubles_k_when_plt_exceeds_the_threshold_and_persists_it(tmp_
     resumed.save(2)
     assert Manifest.load(tmp_path, 2).policy["k"] == 2
     assert all(len(v) == 2 for v in Manifest.load(tmp_path, 2).experts_saved.values())
+
+
+def test_saving_a_step_number_again_keeps_the_newest_checkpoint_restorable(tmp_path):
+    model, opt = _pec_model()
+    ckpt = Checkpointer(model, opt, tmp_path, policy=PECPolicy(k=1), interval=1, keep_last=1)
+    for step in (10, 20, 20):  # e.g. a final save right after maybe_save saved that step
+        _train_step(model, opt, step)
+        ckpt.save(step)
+    ckpt.close()
+    fresh, fresh_opt = _pec_model(5)
+    report = _pec(tmp_path, fresh, fresh_opt, k=1).restore()
+    assert report.step == 20 and not report.skipped
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        if "experts" not in n:
+            assert torch.equal(a, b), n
+
+
+def test_restore_keeps_the_configured_k_unless_dynamic_k_raised_it(tmp_path):
+    model, opt = _pec_model()
+    Checkpointer(model, opt, tmp_path, interval=1).save(1)  # full policy: k = N
+    resumed = _pec(tmp_path, *_pec_model(1), k=1)
+    assert resumed.restore().k == 1
+    assert resumed.save(2).k == 1
+
+
+def test_a_rank_that_fails_to_write_leaves_the_previous_checkpoint_newest(tmp_path,
+                                                                          monkeypatch):
+    model, opt = _pec_model()
+    ckpt = _pec(tmp_path, model, opt, k=1)
+    ckpt.save(1)
+    import moc.checkpoint.checkpointer as engine
+
+    def disk_full(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "write_safetensors", disk_full)
+    stats = ckpt.save(2)
+    assert not stats.ok and "No space left" in stats.error
+    monkeypatch.undo()
+    assert Manifest.load(tmp_path, 1).step == 1
+    from moc.checkpoint.storage import complete_steps
+    assert complete_steps(tmp_path) == [1]
+    assert ckpt.save(3).ok  # the chain goes on from step 1
+    assert Manifest.load(tmp_path, 3).policy["index"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moc.checkpoint.checkpointer import Checkpointer
@@ -14,13 +15,13 @@ from tests.distributed import run_ranks
 CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
 
 
-def _save_load_aware(rank: int, world: int, root: str) -> dict:
+def _save_load_aware(rank: int, world: int, root: str, sharded: bool) -> dict:
     groups = ParallelGroups.from_world(2, CFG.n_experts)
     torch.manual_seed(0)
     model = Transformer(CFG)
     shard_experts(model, groups)
     opt = ShardedAdamW(model, groups, lr=1e-2)
-    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1,
+    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1, sharded=sharded,
                         policy=PECPolicy(k=1, selection="load-aware"))
     ckpt.save(0)
     # Ranks see different local routing; only the sum over ranks may decide.
@@ -32,15 +33,18 @@ def _save_load_aware(rank: int, world: int, root: str) -> dict:
     return {"selected": stats.experts_saved, "bytes": stats.bytes_per_rank}
 
 
-def test_load_aware_selection_is_identical_on_every_rank(tmp_path):
-    results = run_ranks(_save_load_aware, 4, str(tmp_path))
+@pytest.mark.parametrize("sharded", [True, False])
+def test_load_aware_selection_is_identical_on_every_rank(tmp_path, sharded):
+    results = run_ranks(_save_load_aware, 4, str(tmp_path), sharded)
     # Global layer-0 counts: expert e got 10 + e tokens -> expert 3 wins.
     assert all(r["selected"] == [[3], [0]] for r in results)
     manifest = Manifest.load(tmp_path, 1)
     assert manifest.experts_saved == {"0": [3], "1": [0]}
-    # Baseline placement: rank 0 (dense) and EP group 0 (ranks 0, 1) write; 2, 3 do not.
     b = results[0]["bytes"]
-    assert b[0] > 0 and b[1] > 0 and b[2] == 0 and b[3] == 0
+    if sharded:  # every rank writes a share
+        assert all(n > 0 for n in b)
+    else:  # baseline: rank 0 (dense) and EP group 0 (ranks 0, 1) write; 2, 3 do not
+        assert b[0] > 0 and b[1] > 0 and b[2] == 0 and b[3] == 0
     fresh = [k for k, e in manifest.entries.items() if e.step == 1 and "/expert=" in k]
     assert {k.split("/expert=")[1].split("/")[0] for k in fresh
             if "layers.0." in k} == {"3"}

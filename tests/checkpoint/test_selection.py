@@ -33,8 +33,21 @@ def test_sequential_saves_every_expert_once_per_cycle(n, k, start):
 def test_sequential_spreads_the_chosen_experts_over_ep_ranks():
     # N = 8 over ep = 4 ranks (2 experts each); K = 4 must touch every rank once.
     for c in range(4):
-        for chosen in sequential(_ctx(c, n=8, k=4)):
+        for chosen in sequential(_ctx(c, n=8, k=4, ep=4)):
             assert sorted(e // 2 for e in chosen) == [0, 1, 2, 3]
+    # K = 1, N = 16 over ep = 2: the layers of one checkpoint alternate between ranks.
+    for c in range(16):
+        ranks = [chosen[0] // 8 for chosen in sequential(_ctx(c, n=16, layers=4, ep=2))]
+        assert sorted(ranks) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_sequential_with_ep_still_saves_every_expert_once_per_cycle(ep):
+    counts = [[0] * 8 for _ in range(3)]
+    for c in range(8):
+        for m, chosen in enumerate(sequential(_ctx(c, n=8, layers=3, ep=ep))):
+            counts[m][chosen[0]] += 1
+    assert counts == [[1] * 8] * 3
 
 
 @given(st.integers(1, 16), st.integers(1, 16), st.integers(0, 100))

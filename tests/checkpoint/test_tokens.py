@@ -41,3 +41,16 @@ def test_full_saves_lose_nothing():
 def test_record_rejects_wrong_shape():
     with pytest.raises(ValueError, match="shape"):
         TokenLedger(2, 3).record(torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_plt_since_a_base_counts_only_tokens_lost_after_it():
+    ledger = TokenLedger(1, 2)
+    ledger.record(torch.tensor([[500, 500]]))
+    ledger.sync(None)
+    ledger.lost += 50                     # fault 1: 50 of 1,000 -> 5%
+    base = ledger.lost.clone()
+    ledger.record(torch.tensor([[49_500, 49_500]]))
+    ledger.sync(None)
+    ledger.lost += 4_000                  # fault 2: 4,000 of 100,000 since then
+    assert ledger.plt(base) == pytest.approx(0.04)
+    assert ledger.plt() == pytest.approx(0.0405)
