@@ -48,3 +48,35 @@ def test_load_aware_selection_is_identical_on_every_rank(tmp_path, sharded):
     fresh = [k for k, e in manifest.entries.items() if e.step == 1 and "/expert=" in k]
     assert {k.split("/expert=")[1].split("/")[0] for k in fresh
             if "layers.0." in k} == {"3"}
+
+
+def _one_rank_fails(rank: int, world: int, root: str) -> list[object]:
+    import moc.checkpoint.checkpointer as engine
+
+    groups = ParallelGroups.from_world(2, CFG.n_experts)
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    shard_experts(model, groups)
+    ckpt = Checkpointer(model, ShardedAdamW(model, groups, lr=1e-2), root, groups=groups,
+                        interval=1, policy=PECPolicy(k=1))
+    results: list[object] = [ckpt.save(1).ok]
+    real_write = engine.write_safetensors
+    if rank == 1:
+        def failing(path, tensors):
+            raise OSError(5, "Input/output error")
+        engine.write_safetensors = failing
+    failed = ckpt.save(2)
+    engine.write_safetensors = real_write
+    results += [failed.ok, failed.error, ckpt.save(3).ok]
+    return results
+
+
+def test_a_failed_write_on_one_rank_fails_the_step_on_every_rank_without_hanging(tmp_path):
+    from moc.checkpoint.storage import complete_steps
+
+    results = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=120)
+    for ok1, ok2, error, ok3 in results:
+        assert ok1 and not ok2 and ok3
+        assert "rank 1 could not write" in error and "Input/output error" in error
+    assert complete_steps(tmp_path) == [1, 3]
+    assert Manifest.load(tmp_path, 3).policy["index"] == 1
