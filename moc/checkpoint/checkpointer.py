@@ -275,22 +275,36 @@ class Checkpointer:
         units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
         return units, unit_of
 
-    def _sharded_tensors(self, wanted) -> dict[str, torch.Tensor]:
-        """This rank's share: nothing moves between ranks."""
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """Everything this rank holds under stable keys (views, no copies): its
+        parameters, the optimizer state it owns, its RNG."""
+        state = flatten_params(self.model, self.spec)
+        state.update(flatten_optimizer(self.optimizer.local_state(), self.spec))
+        state[rng_key(self.groups.rank)] = torch.get_rng_state()
+        return state
+
+    def _sharded_keys(self, wanted, state: dict[str, torch.Tensor]) -> list[str]:
+        """The keys of `state` this rank writes under the sharded plan."""
         g = self.groups
         units, unit_of = self._units(wanted)
         writer = plan_writes(units, g.world_size).writer
-        mine = lambda key: writer[unit_of[key]] == g.rank  # noqa: E731
-        params = flatten_params(self.model, self.spec)
-        tensors = {k: v for k, v in params.items() if wanted(k) and mine(k)}
-        optim = flatten_optimizer(self.optimizer.local_state(), self.spec)
-        optim = {k: v for k, v in optim.items() if wanted(k)}
-        if getattr(self.optimizer, "owner_of", None) is None:
-            # Replicated optimizer state goes with its parameter's unit.
-            optim = {k: v for k, v in optim.items() if mine(_param_key(k))}
-        tensors.update(optim)
-        tensors[rng_key(g.rank)] = torch.get_rng_state()
-        return tensors
+        replicated_optim = getattr(self.optimizer, "owner_of", None) is None
+
+        def mine(key: str) -> bool:
+            if key.startswith("rng/"):
+                return True
+            if key.startswith("optim/"):
+                # Sharded state is written by its owner, i.e. here; replicated state
+                # goes with its parameter's unit.
+                return not replicated_optim or writer[unit_of[_param_key(key)]] == g.rank
+            return writer[unit_of[key]] == g.rank
+
+        return [k for k in state if wanted(k) and mine(k)]
+
+    def _sharded_tensors(self, wanted) -> dict[str, torch.Tensor]:
+        """This rank's share: nothing moves between ranks."""
+        state = self._local_state()
+        return {k: state[k] for k in self._sharded_keys(wanted, state)}
 
     def _baseline_tensors(self, wanted) -> dict[str, torch.Tensor]:
         """Rank 0: all non-expert state; EP group 0: the experts (collective)."""

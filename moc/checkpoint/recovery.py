@@ -66,6 +66,25 @@ class CheckpointReader:
                        if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
 
 
+class DictReader:
+    """The CheckpointReader interface over tensors already in memory (a snapshot)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise CorruptCheckpointError(f"the snapshot has no key {key!r}")
+        return self.tensors[key]
+
+    def state_names(self, prefix: str) -> list[str]:
+        return sorted({k[len(prefix) + 1:] for k in self.tensors
+                       if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
+
+
 @dataclass
 class RestoreResult:
     step: int
@@ -77,9 +96,11 @@ class RestoreResult:
     skipped_steps: list[int] = field(default_factory=list)
 
 
-def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: OptimizerState,
-                     spec: ExpertSpec, rank: int) -> None:
-    # Read everything first, then install: a corrupt key must not leave a half-loaded model.
+def load_rank_state(reader: CheckpointReader | DictReader, model: nn.Module,
+                    optimizer: OptimizerState, spec: ExpertSpec, rank: int) -> None:
+    """Install this rank's share of a checkpoint: its parameters, the optimizer state
+    of the parameters it owns, its RNG. Everything is read (and checked) before anything
+    is installed, so a corrupt key never leaves a half-loaded model."""
     params = {k: reader.get(k) for k in flatten_params(model, spec)}
     experts = spec.by_name()
     named = dict(model.named_parameters())
@@ -98,7 +119,7 @@ def _load_rank_state(reader: CheckpointReader, model: nn.Module, optimizer: Opti
     load_params(model, spec, params.__getitem__)
     optimizer.load_local_state(states)
     if rng is not None:
-        torch.set_rng_state(rng)
+        torch.set_rng_state(rng.clone())  # a view into a mapped file would crash it
 
 
 def _agree(status: tuple[str, str], groups: ParallelGroups) -> list[tuple[str, str]]:
@@ -135,7 +156,7 @@ def restore_latest(root: Path, model: nn.Module, optimizer: OptimizerState, spec
         try:
             manifest = Manifest.load(root, step)
             manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
-            _load_rank_state(CheckpointReader(root, manifest), model, optimizer, spec,
+            load_rank_state(CheckpointReader(root, manifest), model, optimizer, spec,
                              groups.rank)
         except IncompatibleCheckpointError as e:
             status = ("incompatible", str(e))

@@ -77,8 +77,10 @@ class TensorRecord:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> dict[str, TensorRecord]:
-    """Write `tensors` (CPU) as one safetensors file, fsync it, return per-key records."""
+                      metadata: dict[str, str] | None = None,
+                      crcs: dict[str, int] | None = None) -> dict[str, TensorRecord]:
+    """Write `tensors` (CPU) as one safetensors file, fsync it, return per-key records.
+    `crcs`: checksums already known (taken with a snapshot), not computed again."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for key, t in tensors.items():
@@ -97,7 +99,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         for key, t in tensors.items():
             data = tensor_bytes(t.cpu())
             f.write(data)
-            records[key] = TensorRecord(_DTYPES[t.dtype], tuple(t.shape), zlib.crc32(data))
+            crc = crcs[key] if crcs is not None else zlib.crc32(data)
+            records[key] = TensorRecord(_DTYPES[t.dtype], tuple(t.shape), crc)
         f.flush()
         os.fsync(f.fileno())  # blocks until the bytes are on disk, not in the page cache
     return records

@@ -16,10 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moc.train", description="moc training worker")
     add_train_args(parser, launcher=False)
     args = parser.parse_args(argv)
-    trainer = None
     try:
         trainer = Trainer(config_from_args(args))
         trainer.run()
+        # Collective: only when every rank got here. After a failure the ranks must not
+        # wait on each other, and the snapshots in shared memory are what a restarted
+        # job recovers from, so nothing is cleaned up.
+        trainer.close()
     except (ValueError, CheckpointError) as e:
         print(f"moc train: error: {e}", file=sys.stderr)
         return 2
@@ -33,9 +36,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({reason.group(0) if reason else 'connection error'}); exiting",
               file=sys.stderr)
         return 1
-    finally:
-        if trainer is not None:
-            trainer.close()
     return 0
 
 

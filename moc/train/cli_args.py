@@ -27,7 +27,12 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--data", help="text file or directory (default: Python stdlib sources)")
     p.add_argument("--ckpt-dir", help="checkpoint directory; resumes from it when it holds one")
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
-    p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="blocking")
+    p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="moc",
+                   help="moc (default): PEC + sharding + two levels; pec: synchronous PEC; "
+                        "blocking: the Megatron-DeepSpeed baseline; none")
+    p.add_argument("--persist-policy", choices=["skip", "wait"], default="skip",
+                   help="moc: a checkpoint during a running persist skips persisting "
+                        "(default) or waits for it")
     p.add_argument("--k-persist", help="pec: experts saved per MoE layer per checkpoint, "
                                        "an integer or 'all' (default 1)")
     p.add_argument("--selection", choices=["sequential", "load-aware"], default="sequential",
@@ -46,6 +51,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-at", type=int, help="SIGKILL --fault-rank at this step "
                                                "(first attempt only)")
     p.add_argument("--fault-rank", type=int, default=0)
+    p.add_argument("--fault-kind", choices=["process", "node"], default="process",
+                   help="node: also wipe the node's shared-memory snapshots (a node loss)")
 
 
 def parse_k(value: str | None) -> int | None:
@@ -67,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
         fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
-        plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard)
+        plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
+        persist_policy=args.persist_policy, fault_kind=args.fault_kind)
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

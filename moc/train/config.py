@@ -36,7 +36,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-CKPT_MODES = ("none", "blocking", "pec")
+CKPT_MODES = ("none", "blocking", "pec", "moc")
+FAULT_KINDS = ("process", "node")
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,12 @@ class TrainConfig:
     """Validation batches per rank for the final validation loss."""
     ckpt_dir: str | None = None
     ckpt_interval: int = 50
-    ckpt_mode: str = "blocking"
+    ckpt_mode: str = "moc"
     """none; blocking (the Megatron-DeepSpeed baseline: every expert, rank 0 and EP group
-    0 write, training waits); pec (partial experts checkpointing)."""
+    0 write, training waits); pec (partial experts checkpointing, sharded, synchronous);
+    moc (pec + a complete snapshot in shared memory + a background persist process)."""
+    persist_policy: str = "skip"
+    """moc: when a checkpoint comes while the previous persist runs: skip or wait."""
     k_persist: int | None = 1
     """pec: experts saved per MoE layer per checkpoint; None saves all (K = N)."""
     selection: str = "sequential"
@@ -86,6 +90,8 @@ class TrainConfig:
     fault_at: int | None = None
     """Kill `fault_rank` with SIGKILL when it reaches this step (first attempt only)."""
     fault_rank: int = 0
+    fault_kind: str = "process"
+    """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ckpt_interval", "eval_batches"):
@@ -107,6 +113,11 @@ class TrainConfig:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
         if self.fault_at is not None and not 1 <= self.fault_at <= self.steps:
             raise ValueError(f"--fault-at must be a step in 1..{self.steps}, got {self.fault_at}")
+        if self.fault_kind not in FAULT_KINDS:
+            raise ValueError(f"--fault-kind must be one of {', '.join(FAULT_KINDS)}, "
+                             f"got {self.fault_kind!r}")
+        if self.persist_policy not in ("skip", "wait"):
+            raise ValueError(f"--persist-policy must be skip or wait, got {self.persist_policy!r}")
         if self.fault_rank < 0:
             raise ValueError(f"--fault-rank must be >= 0, got {self.fault_rank}")
 

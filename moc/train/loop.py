@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 
 from moc.checkpoint.checkpointer import Checkpointer, SaveStats
+from moc.checkpoint.plan import imbalance
 from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.snapshot import remove_job
+from moc.checkpoint.twolevel import CheckpointRecord, TwoLevelCheckpointer
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
@@ -64,12 +67,16 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter) -> None:
+def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
+                       checkpointer: object) -> None:
     """SIGKILL this process at `--fault-at` on `--fault-rank`, on the first attempt only:
-    a restarted job must get past the step that killed it."""
+    a restarted job must get past the step that killed it. A node fault also wipes the
+    node's shared-memory snapshots, as losing the machine would."""
     if cfg.fault_at == step and cfg.fault_rank == rank and restart_count() == 0:
-        metrics.emit("fault", step=step, rank=rank, kind="process")
+        metrics.emit("fault", step=step, rank=rank, kind=cfg.fault_kind)
         metrics.close()
+        if cfg.fault_kind == "node" and isinstance(checkpointer, TwoLevelCheckpointer):
+            remove_job(checkpointer.job)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -88,7 +95,8 @@ class RunResult:
     val_loss: float
     wall_s: float
     losses: dict[int, float] = field(default_factory=dict)
-    checkpoints: list[SaveStats] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    """The checkpoint events of this attempt."""
     resumed_from: int | None = None
 
 
@@ -114,7 +122,12 @@ class Trainer:
                                     cfg.batch_size * world, cfg.seed)
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
         self.checkpointer = None
-        if cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
+        if cfg.ckpt_dir is not None and cfg.ckpt_mode == "moc":
+            self.checkpointer = TwoLevelCheckpointer(
+                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
+                policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
+                model_meta=self.model_meta(), persist_policy=cfg.persist_policy)
+        elif cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
             self.checkpointer = Checkpointer(
                 self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
                 policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
@@ -209,7 +222,7 @@ class Trainer:
         self.model.train()
         while self.step < cfg.steps:
             self.step += 1
-            maybe_inject_fault(cfg, self.step, self.rank, self.metrics)
+            maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
             step_time = time.perf_counter() - t_step
@@ -217,20 +230,18 @@ class Trainer:
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                               tokens=tokens, lr=cfg.lr_at(self.step))
             note = ""
-            stats = (self.checkpointer.maybe_save(self.step, self.extra_state())
-                     if self.checkpointer is not None else None)
-            if stats is not None and not stats.ok:
-                self.metrics.emit("checkpoint_failed", step=self.step, error=stats.error)
-                progress.message(f"checkpoint of step {self.step} failed, training goes on "
-                                 f"from the previous one: {stats.error}")
-            elif stats is not None:
-                result.checkpoints.append(stats)
-                self.metrics.emit("checkpoint", step=self.step, stall_s=stats.stall_s,
-                                  bytes=stats.bytes, bytes_per_rank=stats.bytes_per_rank,
-                                  imbalance=stats.imbalance, mode=stats.mode, k=stats.k,
-                                  experts_saved=stats.n_experts_saved)
-                note = f" ckpt {stats.bytes / 1e6:.1f} MB in {stats.stall_s:.2f}s"
+            if self.checkpointer is not None:
+                stats = self.checkpointer.maybe_save(self.step, self.extra_state())
+                if isinstance(stats, SaveStats):
+                    note = self._report(result, _save_event(stats), progress)
+                elif isinstance(self.checkpointer, TwoLevelCheckpointer):
+                    for rec in self.checkpointer.drain_completed():
+                        note = self._report(result, _record_event(rec), progress)
             progress.update(self.step, loss, note)
+        if isinstance(self.checkpointer, TwoLevelCheckpointer):
+            self.checkpointer.flush()
+            for rec in self.checkpointer.drain_completed():
+                self._report(result, _record_event(rec), progress)
         self.model.eval()
         result.final_loss = loss
         result.val_loss = self.validate()
@@ -240,6 +251,18 @@ class Trainer:
         if self.is_main:
             progress.message(self.summary(result))
         return result
+
+    def _report(self, result: RunResult, event: dict[str, Any], progress: Progress) -> str:
+        """Log one finished checkpoint; the progress bar's note for it."""
+        error = event.pop("error")
+        if error:
+            self.metrics.emit("checkpoint_failed", step=event["step"], error=error)
+            progress.message(f"checkpoint of step {event['step']} failed, training goes on "
+                             f"from the previous one: {error}")
+            return ""
+        result.checkpoints.append(event)
+        self.metrics.emit("checkpoint", **event)
+        return f" ckpt {event['bytes'] / 1e6:.1f} MB, stall {event['stall_s']:.3f}s"
 
     def summary(self, r: RunResult) -> str:
         cfg, g = self.cfg, self.groups
@@ -254,8 +277,8 @@ class Trainer:
             ("wall time", f"{r.wall_s:.1f}s (this attempt)"),
         ]
         if r.checkpoints:
-            stalls = [c.stall_s for c in r.checkpoints]
-            mean_mb = statistics.mean(c.bytes for c in r.checkpoints) / 1e6
+            stalls = [c["stall_s"] for c in r.checkpoints]
+            mean_mb = statistics.mean(c["bytes"] for c in r.checkpoints) / 1e6
             rows += [("checkpoints", f"{len(r.checkpoints)} x {cfg.ckpt_mode}, "
                                      f"{mean_mb:.1f} MB on average"),
                      ("median stall", f"{statistics.median(stalls):.3f}s")]
@@ -267,3 +290,21 @@ class Trainer:
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save_event(stats: SaveStats) -> dict[str, Any]:
+    """The checkpoint event of a synchronous save (blocking, pec)."""
+    return {"step": stats.step, "stall_s": stats.stall_s, "bytes": stats.bytes,
+            "bytes_per_rank": stats.bytes_per_rank, "imbalance": stats.imbalance,
+            "mode": stats.mode, "k": stats.k, "experts_saved": stats.n_experts_saved,
+            "error": stats.error}
+
+
+def _record_event(rec: CheckpointRecord) -> dict[str, Any]:
+    """The checkpoint event of a two-level checkpoint, once its persist is done."""
+    per_rank = rec.bytes_per_rank or []
+    return {"step": rec.step, "stall_s": rec.stall_s, "bytes": sum(per_rank),
+            "bytes_per_rank": per_rank, "imbalance": imbalance(per_rank) if per_rank else None,
+            "mode": "moc", "k": rec.k, "experts_saved": rec.experts_saved,
+            "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s,
+            "persist_skipped": rec.persist_skipped, "error": rec.error}

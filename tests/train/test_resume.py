@@ -22,6 +22,7 @@ def moc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def _train(root: Path, *extra: str, interval: int = 10) -> list[dict]:
     r = moc("train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", "20",
             "--ckpt-dir", str(root / "ckpt"), "--ckpt-interval", str(interval),
+            "--ckpt-mode", "moc",
             "--metrics", str(root / "metrics.jsonl"), *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return read_events(root / "metrics.jsonl")
@@ -31,10 +32,15 @@ def _train(root: Path, *extra: str, interval: int = 10) -> list[dict]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     fault = ("--fault-at", "15", "--fault-rank", "1", "--max-restarts", "1")
     dirs = {name: tmp_path_factory.mktemp(name)
-            for name in ("straight", "faulted", "pec_all", "pec_k1")}
+            for name in ("straight", "faulted", "blocking", "pec_all", "pec_k1", "node")}
     return {
-        "straight": (dirs["straight"], _train(dirs["straight"])),
+        # Every expert persisted: its step-20 files hold the final state.
+        "straight": (dirs["straight"], _train(dirs["straight"], "--k-persist", "all")),
         "faulted": (dirs["faulted"], _train(dirs["faulted"], *fault)),
+        "blocking": (dirs["blocking"], _train(dirs["blocking"], "--ckpt-mode", "blocking",
+                                              *fault)),
+        "node": (dirs["node"], _train(dirs["node"], "--k-persist", "1", "--fault-kind",
+                                      "node", *fault, interval=3)),
         "pec_all": (dirs["pec_all"], _train(dirs["pec_all"], "--ckpt-mode", "pec",
                                             "--k-persist", "all", *fault)),
         "pec_k1": (dirs["pec_k1"], _train(dirs["pec_k1"], "--ckpt-mode", "pec",
@@ -51,12 +57,15 @@ def _losses(events: list[dict]) -> dict[int, list[float]]:
     return out
 
 
-@pytest.mark.parametrize("run", ["faulted", "pec_all"])
-def test_interrupted_run_equals_uninterrupted_bitwise(runs, run):
+@pytest.mark.parametrize(("run", "source"), [("faulted", "memory"), ("blocking", "storage"),
+                                             ("pec_all", "storage")])
+def test_interrupted_run_equals_uninterrupted_bitwise(runs, run, source):
+    """moc (the default; K_persist = 1 but a complete snapshot in memory) recovers a
+    process crash from memory; full checkpoints recover from storage; all exactly."""
     (_, straight), (_, faulted) = runs["straight"], runs[run]
     recoveries = [e for e in faulted if e["event"] == "recovery"]
     assert len(recoveries) == 1 and recoveries[0]["resumed_from"] == 10
-    assert recoveries[0]["source"] == "storage"
+    assert recoveries[0]["source"] == source
     assert recoveries[0]["lost_tokens"] == 0 and recoveries[0]["plt"] == 0.0
     a, b = _losses(straight), _losses(faulted)
     # Steps 11-14 ran twice in the faulted run (before the kill and after the restart).
@@ -65,7 +74,7 @@ def test_interrupted_run_equals_uninterrupted_bitwise(runs, run):
         assert all(loss == a[step][0] for loss in b[step]), f"step {step}: {a[step]} vs {b[step]}"
 
 
-@pytest.mark.parametrize("run", ["faulted", "pec_all"])
+@pytest.mark.parametrize("run", ["blocking", "pec_all"])
 def test_final_parameters_and_optimizer_state_are_bitwise_identical(runs, run):
     (ra, _), (rb, _) = runs["straight"], runs[run]
     ma, mb = Manifest.load(ra / "ckpt", 20), Manifest.load(rb / "ckpt", 20)
@@ -100,6 +109,22 @@ def test_pec_k1_recovery_reports_lost_tokens_and_keeps_referenced_steps(runs):
     assert all(step_dir(root / "ckpt", s).is_dir() for s in referenced_steps(newest))
     assert any((step_dir(root / "ckpt", s) / SUPERSEDED).is_file()
                for s in referenced_steps(newest) - {18})
+
+
+def test_node_loss_recovers_from_storage_and_counts_the_lost_tokens(runs):
+    _, events = runs["node"]
+    (recovery,) = [e for e in events if e["event"] == "recovery"]
+    assert recovery["source"] == "storage"
+    assert recovery["resumed_from"] <= 12  # the newest persisted step before step 15
+    assert recovery["lost_tokens"] > 0 and 0 < recovery["plt"] < 1
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    assert all(e["mode"] == "moc" and e["k"] == 1 for e in ckpts)
+    assert all(e["snapshot_s"] is not None for e in ckpts)
+    assert summary_steps(events) == 20
+
+
+def summary_steps(events: list[dict]) -> int:
+    return [e for e in events if e["event"] == "summary"][-1]["steps"]
 
 
 def test_checkpoint_of_another_model_config_is_a_one_line_error(runs):

@@ -1,0 +1,243 @@
+"""Level 1: a snapshot of one rank's state in node-local shared memory.
+
+Each rank owns three preallocated slots (triple buffering: one being written, one being
+persisted, one holding the newest complete snapshot for recovery) under
+
+    /dev/shm/moc-<job>/rank-<r>/slot-<i>.bin     the tensor bytes, 8-byte aligned
+    /dev/shm/moc-<job>/rank-<r>/slot-<i>.json    header: step, offsets, dtypes, CRC32s
+
+A slot's header is removed before the slot is overwritten and written (atomically, by
+rename) only after every byte is copied and checksummed, so a header exists exactly when
+the slot holds a complete snapshot. The files live in shared memory, not in a process:
+they survive the crash of the training process that wrote them, and a restarted rank
+reads them back. The slot files are mapped once and reused: no allocation per checkpoint
+once warm.
+
+The copy runs on a background thread (tensor copies and zlib's CRC release the GIL), so
+it overlaps the next forward and backward; `SnapshotHandle.wait()` is the sync point
+before the optimizer changes the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.storage import tensor_bytes
+
+
+def shm_root() -> Path:
+    """Where node-local snapshots live: /dev/shm (tmpfs: they outlive processes, not the
+    node), or $MOC_SHM_ROOT."""
+    return Path(os.environ.get("MOC_SHM_ROOT", "/dev/shm"))
+
+N_SLOTS = 3
+"""Snapshot, persist and recovery roles rotate over three slots (the paper's triple
+buffer): a complete snapshot always exists while the next one is being taken."""
+_ALIGN = 8
+
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def job_dir(job: str) -> Path:
+    return shm_root() / f"moc-{job}"
+
+
+def default_job_id(ckpt_dir: str | Path) -> str:
+    """Stable across torchrun restarts of the same run: derived from the checkpoint dir."""
+    return hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+
+
+@dataclass(frozen=True)
+class SnapshotHeader:
+    step: int
+    entries: dict[str, SlotEntry]
+    meta: dict[str, Any]
+    """What the checkpointer needs to resume from this snapshot (loop state, token
+    ledger, policy state)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "meta": self.meta, "entries": {
+            k: [e.offset, e.dtype, list(e.shape), e.crc32] for k, e in self.entries.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotHeader:
+        d = json.loads(text)
+        return cls(int(d["step"]), {k: SlotEntry(int(o), str(t), tuple(s), int(c))
+                                    for k, (o, t, s, c) in d["entries"].items()}, d["meta"])
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    offsets, size = {}, 0
+    for key, t in tensors.items():
+        offsets[key] = size
+        n = t.numel() * t.element_size()
+        size += n + (-n % _ALIGN)
+    return offsets, size
+
+
+class SnapshotStore:
+    """The slots of one rank; written by that rank, read by its persist process and by
+    the rank after a restart."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.dir = job_dir(job) / f"rank-{rank:05d}"
+        self.rank = rank
+        self._maps: dict[int, torch.Tensor] = {}
+
+    def bin_path(self, slot: int) -> Path:
+        return self.dir / f"slot-{slot}.bin"
+
+    def header_path(self, slot: int) -> Path:
+        return self.dir / f"slot-{slot}.json"
+
+    def _map(self, slot: int, size: int) -> torch.Tensor:
+        """The slot's bytes as a shared mapping; the file is sized (never truncated to
+        zero: a reader maps what is there) and the mapping kept for reuse."""
+        buf = self._maps.get(slot)
+        if buf is None or buf.numel() != size:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.bin_path(slot)
+            if not path.exists() or path.stat().st_size != size:
+                path.touch()
+                os.truncate(path, size)
+            buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self._maps[slot] = buf
+        return buf
+
+    def headers(self) -> dict[int, SnapshotHeader]:
+        """Complete snapshots by slot (a slot without a readable header is not one)."""
+        out = {}
+        for slot in range(N_SLOTS):
+            try:
+                out[slot] = SnapshotHeader.from_json(self.header_path(slot).read_text())
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def write(self, slot: int, step: int, tensors: dict[str, torch.Tensor],
+              meta: dict[str, Any]) -> SnapshotHeader:
+        """Copy `tensors` into `slot` and publish its header. Blocks until done."""
+        self.header_path(slot).unlink(missing_ok=True)  # the slot is now incomplete
+        offsets, size = _layout(tensors)
+        buf = self._map(slot, size)
+        entries = {}
+        for key, t in tensors.items():
+            n = t.numel() * t.element_size()
+            dst = buf[offsets[key]:offsets[key] + n]
+            if n:
+                dst.view(t.dtype).view(t.shape).copy_(t.detach())
+            entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
+                                     tuple(t.shape), zlib.crc32(tensor_bytes(dst)))
+        header = SnapshotHeader(step, entries, meta)
+        tmp = self.header_path(slot).with_suffix(".json.tmp")
+        tmp.write_text(header.to_json())
+        tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
+        return header
+
+    def read(self, slot: int, header: SnapshotHeader, verify: bool = True
+             ) -> dict[str, torch.Tensor]:
+        """Views of a complete snapshot's tensors (checked against their CRC32)."""
+        size = self.bin_path(slot).stat().st_size
+        buf = self._map(slot, size)
+        out = {}
+        for key, e in header.entries.items():
+            dtype = _DTYPE_NAMES[e.dtype]
+            n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
+            raw = buf[e.offset:e.offset + n]
+            if verify and zlib.crc32(tensor_bytes(raw)) != e.crc32:
+                raise CheckpointError(f"snapshot {self.dir}/slot-{slot} step {header.step}: "
+                                      f"checksum mismatch for {key!r}")
+            out[key] = raw.view(dtype).view(e.shape)
+        return out
+
+
+class SnapshotHandle:
+    """A snapshot being taken on a background thread (the staging future)."""
+
+    def __init__(self, store: SnapshotStore, slot: int, step: int,
+                 tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                 on_done: Callable[[SnapshotHeader], None] | None = None) -> None:
+        self.slot, self.step = slot, step
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self.header: SnapshotHeader | None = None
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.header = store.write(slot, step, tensors, meta)
+                self.seconds = time.perf_counter() - t0
+                if on_done is not None:
+                    on_done(self.header)
+            except BaseException as e:  # re-raised by wait() on the caller's thread
+                self._error = e
+                self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name=f"moc-snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> SnapshotHeader:
+        """Blocks until the copy is complete; raises what the copy raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
+                                  ) from self._error
+        assert self.header is not None
+        return self.header
+
+
+def remove_job(job: str) -> None:
+    shutil.rmtree(job_dir(job), ignore_errors=True)
+
+
+def remove_stale_jobs(keep: str) -> list[Path]:
+    """Delete snapshot directories of jobs whose owner process is gone (a finished or
+    abandoned job). `keep` (this job) is never touched: it may be our recovery source."""
+    removed = []
+    for d in shm_root().glob("moc-*"):
+        if d.name == f"moc-{keep}":
+            continue
+        try:
+            pid = int((d / "owner.pid").read_text())
+            os.kill(pid, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            # No owner file: a directory being set up right now, or not ours; only
+            # remove it when it has been left alone for a while.
+            if time.time() - d.stat().st_mtime < STALE_AFTER_S:
+                continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+STALE_AFTER_S = 3600
+"""A snapshot directory without a live owner record is stale after an hour untouched."""

@@ -1,0 +1,343 @@
+"""Two-level checkpointing: PEC + sharding + a snapshot in memory + a background persist.
+
+    save(s)              choose a free slot, start copying this rank's whole state into
+                         node-local shared memory on a thread, return at once
+    wait_for_snapshot()  right before optimizer.step(): blocks only if the copy is not
+                         done yet; the stall is max(0, copy time - forward/backward time)
+    persist process      writes the K_persist experts + non-expert share of each rank
+                         from shared memory to storage and commits the manifest
+
+The snapshot is complete (every expert: K_snapshot = N). Host memcpy is cheap, and a
+complete snapshot makes recovery from a process crash exact: no tokens are lost. Only
+what reaches storage is partial (K_persist), which bounds what a node loss costs.
+
+Recovery: the ranks agree on the newest step every rank can restore. If every rank holds
+a complete, checksum-clean snapshot of a step at least as new as the newest persisted
+one, they restore from memory ("memory"); otherwise from storage ("storage").
+
+When a new checkpoint comes while the previous persist is still running, `persist_policy`
+decides: "skip" (the default) takes the snapshot but does not persist it, and the skip
+is reported; "wait" blocks until the running persist is done.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moc.checkpoint.checkpointer import Checkpointer, RecoveryReport, _all_gather
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.manifest import Manifest
+from moc.checkpoint.persist import PersistRequest, connect
+from moc.checkpoint.recovery import DictReader, load_rank_state
+from moc.checkpoint.snapshot import (
+    N_SLOTS,
+    SnapshotHandle,
+    SnapshotStore,
+    default_job_id,
+    job_dir,
+    remove_job,
+    remove_stale_jobs,
+)
+from moc.checkpoint.storage import complete_steps, remove_abandoned
+from moc.checkpoint.tokens import PLTReport
+
+PERSIST_POLICIES = ("skip", "wait")
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint as the training loop sees it, complete once its snapshot is taken
+    and its persist has finished (or was skipped)."""
+
+    step: int
+    k: int
+    experts_saved: int
+    save_s: float
+    """Time the save call itself took (choosing, planning, starting the copy)."""
+    wait_s: float = 0.0
+    """Time wait_for_snapshot blocked."""
+    snapshot_s: float | None = None
+    persist_skipped: bool = False
+    persist_s: float | None = None
+    bytes_per_rank: list[int] | None = None
+    error: str | None = None
+
+    @property
+    def stall_s(self) -> float:
+        return self.save_s + self.wait_s
+
+
+class TwoLevelCheckpointer(Checkpointer):
+    def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
+                 job: str | None = None, persist_policy: str = "skip", **kwargs: Any) -> None:
+        if persist_policy not in PERSIST_POLICIES:
+            raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
+                             f"got {persist_policy!r}")
+        kwargs.setdefault("mode", "moc")
+        super().__init__(model, optimizer, directory, sharded=True, **kwargs)
+        g = self.groups
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", g.world_size))
+        if local_world != g.world_size:
+            raise ValueError("two-level checkpointing runs on one node in this release "
+                             f"({g.world_size} ranks, {local_world} on this node); use "
+                             "--ckpt-mode pec across nodes")
+        self.job = job or default_job_id(directory)
+        self.persist_policy = persist_policy
+        self.store = SnapshotStore(self.job, g.rank)
+        self._handle: SnapshotHandle | None = None
+        self._newest_slot: int | None = None  # the newest complete snapshot: recovery
+        self._persist_slot: int | None = None  # read by the persist process
+        self._persist_step: int | None = None  # the persist in flight
+        self._persist_step_of_slot: int | None = None
+        self._records: dict[int, CheckpointRecord] = {}
+        self._done: list[tuple] = []  # rank 0: persist results not yet shared
+        self._send_lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        if g.rank == 0:
+            remove_stale_jobs(keep=self.job)
+            jdir = job_dir(self.job)
+            jdir.mkdir(parents=True, exist_ok=True)
+            # The job's owner outlives restarts of the workers: torchrun's agent.
+            owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+            (jdir / "owner.pid").write_text(str(owner))
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "moc.checkpoint.persist", self.job, str(self.root),
+                 str(os.getpid())])
+        self._conn: Connection = connect(job_dir(self.job))
+        self._send(("hello", g.rank))
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:  # the snapshot thread and the caller share the connection
+            self._conn.send(msg)
+
+    # -- persist results -------------------------------------------------------------------
+
+    def _receive(self, block: bool) -> None:
+        """Rank 0: take the persist results that have arrived (all of them, waiting for
+        the one in flight when `block`) into `_done`, to be shared at the next save."""
+        while self._persist_step is not None and (block or self._conn.poll()):
+            try:
+                msg = self._conn.recv()  # blocks until the running persist reports
+            except (EOFError, OSError):
+                msg = ("done", self._persist_step, False, "the persist process exited",
+                       0.0, None)
+            self._done.append(msg)
+            self._record_persist(msg)
+            if msg[1] == self._persist_step:
+                self._persist_step = None
+
+    def _record_persist(self, msg: tuple) -> None:
+        _, step, ok, error, seconds, bytes_per_rank = msg
+        rec = self._records.get(step)
+        if rec is not None:
+            rec.persist_s, rec.bytes_per_rank = seconds, bytes_per_rank
+            rec.error = None if ok else error
+
+    def _share_done(self, block: bool) -> None:
+        """Collective: every rank learns the same persist results and applies them."""
+        g = self.groups
+        if g.rank == 0:
+            self._receive(block)
+        done, in_flight = _broadcast((self._done, self._persist_step), g)
+        self._done = []
+        for msg in done:
+            if g.rank != 0:
+                self._record_persist(msg)
+            if msg[1] == self._persist_step_of_slot:
+                self._persist_slot = None
+            if msg[2]:
+                self._on_committed(msg[1])
+        self._persist_step = in_flight
+
+    def _on_committed(self, step: int) -> None:
+        """The chain now continues from `step`'s manifest."""
+        manifest = Manifest.load(self.root, step)
+        self._manifest = manifest
+        self._index = int(manifest.policy.get("index", -1)) + 1
+        self.ledger.at_save = torch.tensor(manifest.tokens["at_save"], dtype=torch.int64)
+        self._saved_at = self._newest_copies(manifest.entries)
+        if self._retention is not None:
+            self._retention.request()
+
+    def drain_completed(self) -> list[CheckpointRecord]:
+        """Checkpoints whose snapshot is taken and whose persist has finished or was
+        skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
+        if self.groups.rank == 0:
+            self._receive(block=False)
+        out = []
+        for step in sorted(self._records):
+            rec = self._records[step]
+            persisted = (rec.persist_skipped or rec.persist_s is not None
+                         or self.groups.rank != 0)
+            if rec.snapshot_s is not None and persisted:
+                out.append(self._records.pop(step))
+        return out
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, extra_state: dict[str, Any] | None = None  # type: ignore[override]
+             ) -> CheckpointRecord:
+        """Start a checkpoint of `step` and return at once; the copy runs in the
+        background until `wait_for_snapshot`. Collective (small: persist results and
+        the token counts)."""
+        t0 = time.perf_counter()
+        g = self.groups
+        self.wait_for_snapshot()  # the previous copy must be done (it normally is)
+        self._share_done(block=self.persist_policy == "wait")
+        persist_now = self._persist_step is None
+        self.ledger.sync(g.side_group)
+        selected = self._select(step)
+        prev = self._manifest.entries if self._manifest is not None else {}
+        wanted = self._wanted([set(s) for s in selected], prev, step)
+        state = self._local_state()
+        write = self._sharded_keys(wanted, state) if persist_now else []
+        written = (selected if prev else
+                   [list(range(self.spec.n_experts)) for _ in range(self.spec.n_moe_layers)])
+        record = CheckpointRecord(step, self.k, sum(len(e) for e in written), 0.0,
+                                  persist_skipped=not persist_now)
+        self._records[step] = record
+        slot = next(s for s in range(N_SLOTS) if s not in (self._newest_slot,
+                                                             self._persist_slot))
+        meta = {"extra": extra_state or {}, "ledger": self.ledger.to_json(), "k": self.k,
+                "lost_base": self._lost_base.tolist(),
+                "layout": {"world_size": g.world_size, "ep": g.layout.ep}}
+        held = list(state)
+
+        def on_done(header: Any) -> None:  # on the snapshot thread
+            if persist_now:
+                self._send(("ready", g.rank, step, slot, write, held))
+
+        self._handle = SnapshotHandle(self.store, slot, step, state, meta, on_done=on_done)
+        if persist_now:
+            self._persist_slot, self._persist_step_of_slot = slot, step
+            self._persist_step = step
+            if g.rank == 0:
+                prev_step = self._manifest.step if self._manifest is not None else None
+                template = self._template(step, extra_state, written)
+                self._send(("persist", PersistRequest(step, prev_step, template,
+                                                      g.world_size)))
+        record.save_s = time.perf_counter() - t0
+        return record
+
+    def _template(self, step: int, extra_state: dict[str, Any] | None,
+                  written: list[list[int]]) -> dict[str, Any]:
+        """The manifest of `step` but its entries (the persist process adds them)."""
+        g = self.groups
+        return {
+            "step": step, "mode": self.mode,
+            "layout": {"world_size": g.world_size, "ep": g.layout.ep},
+            "model": self.model_meta, "extra": extra_state or {},
+            "experts": {"n_experts": self.spec.n_experts,
+                        "n_moe_layers": self.spec.n_moe_layers, "stems": self._stems},
+            "policy": {**self.policy.to_dict(), "k": self.k, "index": self._index,
+                       "lost_base": self._lost_base.tolist()},
+            "experts_saved": {str(m): list(e) for m, e in enumerate(written)},
+            "tokens": {**self.ledger.to_json(),
+                       "at_save": self._at_save_after(written).tolist()},
+        }
+
+    def wait_for_snapshot(self) -> CheckpointRecord | None:  # type: ignore[override]
+        """Blocks until the snapshot being taken is complete: the only place training
+        waits on a checkpoint. Returns its record, or None when nothing was pending."""
+        handle = self._handle
+        if handle is None:
+            return None
+        t0 = time.perf_counter()
+        handle.wait()
+        self._handle = None
+        self._newest_slot = handle.slot
+        rec = self._records.get(handle.step)
+        if rec is not None:
+            rec.wait_s = time.perf_counter() - t0
+            rec.snapshot_s = handle.seconds
+        return rec
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def restore(self) -> RecoveryReport | None:
+        """Restore from memory when every rank holds a complete, checksum-clean snapshot
+        at least as new as the newest persisted step; from storage otherwise.
+        Collective."""
+        g = self.groups
+        if g.rank == 0:
+            remove_abandoned(self.root)
+        storage = _broadcast(complete_steps(self.root), g)
+        newest_storage = storage[-1] if storage else None
+        layout = {"world_size": g.world_size, "ep": g.layout.ep}
+        headers = self.store.headers()
+        mine = {h.step: slot for slot, h in headers.items() if h.meta.get("layout") == layout}
+        everyone = _all_gather(sorted(mine), g.side_group, g)
+        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+        for step in sorted(common, reverse=True):
+            if newest_storage is not None and step < newest_storage:
+                break
+            t0 = time.perf_counter()
+            slot = mine[step]
+            status = "ok"
+            try:
+                tensors = self.store.read(slot, headers[slot])
+                load_rank_state(DictReader(tensors), self.model, self.optimizer, self.spec,
+                                g.rank)
+            except CheckpointError as e:
+                status = str(e)
+            if all(s == "ok" for s in _all_gather(status, g.side_group, g)):
+                return self._from_memory(step, slot, headers[slot].meta,
+                                         time.perf_counter() - t0, newest_storage)
+        self._newest_slot = self._persist_slot = None
+        return super().restore()
+
+    def _from_memory(self, step: int, slot: int, meta: dict[str, Any], seconds: float,
+                     newest_storage: int | None) -> RecoveryReport:
+        """Every expert came back at `step`: nothing is lost."""
+        self._newest_slot, self._persist_slot = slot, None
+        self.ledger.load_json(meta["ledger"])
+        if newest_storage is not None:
+            self._on_committed(newest_storage)  # the chain continues from storage
+        if self.policy.dynamic_k:
+            self.k = max(self.k, int(meta["k"]))
+            self._lost_base = torch.tensor(meta["lost_base"], dtype=torch.int64)
+        plt = PLTReport(0, [0] * self.spec.n_moe_layers, self.ledger.plt())
+        return RecoveryReport(step, meta["extra"], "memory", seconds, plt.lost_tokens,
+                              plt.lost_per_layer, plt.plt, self.k, self.k, [])
+
+    def flush(self) -> None:
+        """Wait for the snapshot and the persist in flight (collective); their records
+        are then in `drain_completed()`."""
+        self.wait_for_snapshot()
+        self._share_done(block=True)
+
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Wait for the snapshot and the persist in flight, stop the persist process and
+        remove this job's shared memory (unless `keep_snapshots`). Collective."""
+        g = self.groups
+        self.flush()
+        if g.distributed:
+            dist.barrier(group=g.side_group)
+        if g.rank == 0:
+            self._send(("stop",))
+            if self._process is not None:
+                self._process.wait(timeout=60)
+            if not keep_snapshots:
+                remove_job(self.job)
+        self._conn.close()
+        super().close()
+
+
+def _broadcast(obj: Any, groups) -> Any:
+    if not groups.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=groups.side_group)
+    return box[0]

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.snapshot import (
+    SnapshotHandle,
+    SnapshotStore,
+    job_dir,
+    remove_stale_jobs,
+)
+
+
+@pytest.fixture(autouse=True)
+def shm(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path))
+    return tmp_path
+
+
+def _state() -> dict[str, torch.Tensor]:
+    base = torch.randn(4, 3)
+    return {"a": base[1], "b": torch.randn(5).bfloat16(), "step": torch.tensor(7.0),
+            "mask": torch.tensor([True, False]), "ids": torch.arange(3)}
+
+
+def test_snapshot_round_trips_every_dtype_and_reuses_its_mapping():
+    store = SnapshotStore("job", rank=0)
+    state = _state()
+    store.write(0, 10, state, {"extra": 1})
+    first = store._maps[0]
+    headers = store.headers()
+    assert list(headers) == [0] and headers[0].step == 10 and headers[0].meta == {"extra": 1}
+    got = SnapshotStore("job", rank=0).read(0, headers[0])  # a restarted process
+    for k, t in state.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    store.write(0, 20, state, {})
+    assert store._maps[0] is first  # warm: no new allocation
+
+
+def test_a_slot_is_not_a_snapshot_until_its_header_is_written(monkeypatch):
+    store = SnapshotStore("job", rank=0)
+    store.write(1, 10, _state(), {})
+    assert 1 in store.headers()
+    # While slot 1 is overwritten its header is gone: a crash mid-copy leaves no snapshot.
+    calls = []
+    real = torch.Tensor.copy_
+
+    def crash_mid_copy(self, src, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", crash_mid_copy)
+    with pytest.raises(RuntimeError):
+        store.write(1, 20, _state(), {})
+    monkeypatch.undo()
+    assert 1 not in store.headers()
+
+
+def test_a_flipped_byte_in_memory_is_detected():
+    store = SnapshotStore("job", rank=0)
+    header = store.write(0, 10, {"w": torch.ones(64)}, {})
+    raw = bytearray(store.bin_path(0).read_bytes())
+    raw[5] ^= 0xFF
+    store.bin_path(0).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch for 'w'"):
+        SnapshotStore("job", rank=0).read(0, header)
+
+
+def test_the_copy_runs_in_the_background_and_errors_surface_on_wait():
+    store = SnapshotStore("job", rank=0)
+    handle = SnapshotHandle(store, 2, 5, _state(), {})
+    assert handle.wait().step == 5
+    bad = SnapshotHandle(store, 2, 6, {"x": torch.ones(2)}, {}, on_done=lambda h: 1 / 0)
+    with pytest.raises(CheckpointError, match="snapshot of step 6 failed"):
+        bad.wait()
+
+
+def test_stale_jobs_of_dead_owners_are_removed_but_not_ours_or_live_ones():
+    for job, pid in (("dead", 2**22 + 12345), ("alive", os.getpid()), ("ours", 2**22 + 1)):
+        job_dir(job).mkdir(parents=True)
+        (job_dir(job) / "owner.pid").write_text(str(pid))
+    removed = remove_stale_jobs(keep="ours")
+    assert [p.name for p in removed] == ["moc-dead"]
+    assert job_dir("alive").exists() and job_dir("ours").exists()

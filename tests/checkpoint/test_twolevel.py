@@ -1,0 +1,97 @@
+"""Two-level checkpointing in one process: snapshot, persist process, memory recovery."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.snapshot import job_dir
+from moc.checkpoint.storage import complete_steps
+from moc.checkpoint.tools import verify_checkpoints
+from moc.checkpoint.twolevel import TwoLevelCheckpointer
+from moc.model import ModelConfig, Transformer
+
+CFG = ModelConfig(seq_len=8, d_model=32, n_layers=2, n_heads=2, d_ffn=64, n_experts=8)
+
+
+@pytest.fixture(autouse=True)
+def shm(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+
+
+def _build(seed: int):
+    torch.manual_seed(seed)
+    model = Transformer(CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, ckpt, steps, start=1):
+    records = []
+    for step in range(start, start + steps):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        out = model(idx, idx)
+        out.loss.backward()
+        ckpt.wait_for_snapshot()
+        opt.step()
+        opt.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        records += ckpt.drain_completed()
+    return records
+
+
+def test_snapshots_persist_partially_and_a_crash_recovers_exactly_from_memory(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=2,
+                                persist_policy="wait")
+    _train(model, opt, ckpt, 8)
+    ckpt.flush()
+    records = ckpt.drain_completed()
+    ckpt.close(keep_snapshots=True)  # as after a crash: memory survives
+    assert complete_steps(root) == [2, 4, 6, 8]
+    assert verify_checkpoints(root).ok
+    assert records and all(r.snapshot_s is not None and r.persist_s is not None
+                           for r in records)
+
+    fresh, fresh_opt = _build(1)
+    resumed = TwoLevelCheckpointer(fresh, fresh_opt, root, policy=PECPolicy(k=1), interval=2)
+    report = resumed.restore()
+    assert (report.step, report.source, report.lost_tokens) == (8, "memory", 0)
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    for pa, pb in zip(model.parameters(), fresh.parameters(), strict=True):
+        for k in opt.state[pa]:
+            assert torch.equal(opt.state[pa][k], fresh_opt.state[pb][k])
+    resumed.close()
+    assert not job_dir(resumed.job).exists()  # a finished job leaves no shared memory
+
+
+def test_without_memory_recovery_comes_from_storage_and_counts_lost_tokens(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=2,
+                                persist_policy="wait")
+    _train(model, opt, ckpt, 6)
+    ckpt.close()  # removes the snapshots, as a node loss would
+    report = TwoLevelCheckpointer(*_build(1), root, policy=PECPolicy(k=1)).restore()
+    assert (report.step, report.source) == (6, "storage")
+    assert report.lost_tokens > 0
+
+
+@pytest.mark.parametrize(("policy", "skipped"), [("skip", True), ("wait", False)])
+def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypatch,
+                                                              policy, skipped):
+    monkeypatch.setenv("MOC_PERSIST_STALL_S", "1.0")
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1,
+                                persist_policy=policy)
+    records = _train(model, opt, ckpt, 2)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    by_step = {r.step: r for r in records}
+    assert by_step[1].persist_skipped is False and by_step[1].persist_s >= 1.0
+    assert by_step[2].persist_skipped is skipped
+    assert complete_steps(tmp_path / "ckpt") == ([1] if skipped else [1, 2])
