@@ -68,8 +68,9 @@ def connect(job_dir: Path, timeout_s: float = 60.0) -> Connection:
 
 def serve(job: str, root: str, parent_pid: int) -> None:
     """Entry point of the persist process."""
-    from moc.checkpoint.snapshot import job_dir
+    from moc.checkpoint.snapshot import BACKGROUND_NICE, job_dir
 
+    os.nice(BACKGROUND_NICE)  # training first; persisting only bounds checkpoint frequency
     jdir = job_dir(job)
     jdir.mkdir(parents=True, exist_ok=True)
     path = socket_path(jdir)

@@ -20,6 +20,7 @@ before the optimizer changes the weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -174,6 +175,17 @@ class SnapshotStore:
         return out
 
 
+BACKGROUND_NICE = 10
+"""Niceness of checkpoint work (the snapshot thread, the persist process): on a machine
+whose cores training keeps busy, the copy then fills the gaps (ranks waiting on each
+other in collectives) instead of taking turns with the training thread."""
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # Linux: per-thread niceness
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
 class SnapshotHandle:
     """A snapshot being taken on a background thread (the staging future)."""
 
@@ -186,6 +198,7 @@ class SnapshotHandle:
         self.header: SnapshotHeader | None = None
 
         def run() -> None:
+            _lower_priority()
             t0 = time.perf_counter()
             try:
                 self.header = store.write(slot, step, tensors, meta)

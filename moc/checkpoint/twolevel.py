@@ -312,6 +312,13 @@ class TwoLevelCheckpointer(Checkpointer):
         return RecoveryReport(step, meta["extra"], "memory", seconds, plt.lost_tokens,
                               plt.lost_per_layer, plt.plt, self.k, self.k, [])
 
+    def host_memory(self) -> dict[str, int]:
+        """This rank's shared memory for checkpointing (all slots) and one snapshot's
+        size: the first is bounded by N_SLOTS times the second."""
+        slots = [self.store.bin_path(s) for s in range(N_SLOTS)]
+        sizes = [p.stat().st_size for p in slots if p.exists()]
+        return {"ckpt_host_bytes": sum(sizes), "snapshot_bytes": max(sizes, default=0)}
+
     def flush(self) -> None:
         """Wait for the snapshot and the persist in flight (collective); their records
         are then in `drain_completed()`."""

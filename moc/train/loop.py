@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import resource
 import signal
 import statistics
 import time
@@ -225,18 +226,19 @@ class Trainer:
             maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
+            stats = (self.checkpointer.maybe_save(self.step, self.extra_state())
+                     if self.checkpointer is not None else None)
+            # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
             result.losses[self.step] = loss
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                               tokens=tokens, lr=cfg.lr_at(self.step))
             note = ""
-            if self.checkpointer is not None:
-                stats = self.checkpointer.maybe_save(self.step, self.extra_state())
-                if isinstance(stats, SaveStats):
-                    note = self._report(result, _save_event(stats), progress)
-                elif isinstance(self.checkpointer, TwoLevelCheckpointer):
-                    for rec in self.checkpointer.drain_completed():
-                        note = self._report(result, _record_event(rec), progress)
+            if isinstance(stats, SaveStats):
+                note = self._report(result, _save_event(stats), progress)
+            elif isinstance(self.checkpointer, TwoLevelCheckpointer):
+                for rec in self.checkpointer.drain_completed():
+                    note = self._report(result, _record_event(rec), progress)
             progress.update(self.step, loss, note)
         if isinstance(self.checkpointer, TwoLevelCheckpointer):
             self.checkpointer.flush()
@@ -246,8 +248,12 @@ class Trainer:
         result.final_loss = loss
         result.val_loss = self.validate()
         result.wall_s = time.perf_counter() - t0
+        memory: dict[str, Any] = {
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if isinstance(self.checkpointer, TwoLevelCheckpointer):
+            memory.update(self.checkpointer.host_memory())
         self.metrics.emit("summary", steps=self.step, final_loss=result.final_loss,
-                          val_loss=result.val_loss, wall_s=result.wall_s)
+                          val_loss=result.val_loss, wall_s=result.wall_s, **memory)
         if self.is_main:
             progress.message(self.summary(result))
         return result

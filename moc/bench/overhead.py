@@ -1,0 +1,219 @@
+"""`moc bench overhead`: what checkpointing costs training, each strategy in turn, one run.
+
+Every strategy trains the same model on the same data with the same seed, W ranks, a
+checkpoint every `interval` steps, and a SIGKILL of rank 1 at the last step so that the
+restart measures recovery (from memory where the strategy keeps snapshots). Strategies:
+
+    none            no checkpoints: the reference step time
+    blocking        Megatron-DeepSpeed style: training waits while rank 0 and EP group 0
+                    write every expert
+    moc-base-async  two levels (snapshot in memory, background persist) without PEC:
+                    every expert persisted
+    moc             two levels + PEC (K_persist = 1, a complete snapshot) + sharding
+
+Per strategy: median and p90 stall per checkpoint, median step time of steps without and
+with a checkpoint, throughput against `none`, bytes per checkpoint, per-rank imbalance,
+persist time, restore time from storage and from memory, and the host memory that
+checkpointing holds. Under "limits", the same run measures the disk's sequential write
+bandwidth with fsync and the host's memcpy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moc.train.metrics import read_events, table
+
+STRATEGIES: dict[str, list[str]] = {
+    "none": ["--ckpt-mode", "none"],
+    "blocking": ["--ckpt-mode", "blocking"],
+    "moc-base-async": ["--ckpt-mode", "moc", "--k-persist", "all"],
+    "moc": ["--ckpt-mode", "moc", "--k-persist", "1"],
+}
+
+
+def disk_write_bandwidth(directory: Path, nbytes: int = 256 << 20) -> float:
+    """Sequential write with fsync, bytes per second."""
+    path = directory / "disk-probe.bin"
+    block = os.urandom(8 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / seconds
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - t0)
+
+
+def _train(args: list[str], workdir: Path, metrics: Path, check: bool = True) -> None:
+    cmd = [sys.executable, "-m", "moc", "train", *args, "--ckpt-dir", str(workdir / "ckpt"),
+           "--metrics", str(metrics)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path
+                 ) -> dict[str, Any]:
+    metrics = workdir / "metrics.jsonl"
+    fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank", "1",
+                                       "--max-restarts", "1"]
+    _train([*common, *STRATEGIES[name], *fault], workdir, metrics)
+    events = read_events(metrics)
+    first_attempt = []
+    for e in events:
+        if e["event"] == "recovery":
+            break
+        first_attempt.append(e)
+    step_times = {e["step"]: e["step_time_s"] for e in first_attempt if e["event"] == "step"}
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    summary = [e for e in events if e["event"] == "summary"][-1]
+    partial = name == "moc"
+    later = ckpts[1:] if partial and len(ckpts) > 1 else ckpts
+    restore = {"memory": None, "storage": None}
+    for r in recoveries:
+        restore[r["source"]] = r["recovery_s"]
+    if name.startswith("moc"):
+        # The job finished and removed its snapshots: a new start reads storage.
+        before = len(recoveries)
+        _train([*common, *STRATEGIES[name]], workdir, metrics)
+        more = [e for e in read_events(metrics) if e["event"] == "recovery"][before:]
+        if more:
+            restore["storage"] = more[0]["recovery_s"]
+    plain = [t for s, t in step_times.items() if s % interval]
+    with_ckpt = [t for s, t in step_times.items() if s % interval == 0]
+    stalls = [e["stall_s"] for e in ckpts]
+    persist = [e["persist_s"] for e in ckpts if e.get("persist_s") is not None]
+    return {
+        "stall_median_s": statistics.median(stalls) if stalls else None,
+        "stall_p90_s": _quantile(stalls, 0.9),
+        "step_time_s": statistics.median(plain) if plain else None,
+        "step_time_ckpt_s": statistics.median(with_ckpt) if with_ckpt else None,
+        "mean_step_time_s": statistics.mean(step_times.values()),
+        "bytes_per_ckpt": int(statistics.median(e["bytes"] for e in later)) if later else None,
+        "imbalance": (statistics.median(e["imbalance"] for e in later if e.get("imbalance"))
+                      if later else None),
+        "persist_s": statistics.median(persist) if persist else None,
+        "persist_skipped": sum(1 for e in ckpts if e.get("persist_skipped")),
+        "restore_storage_s": restore["storage"],
+        "restore_memory_s": restore["memory"],
+        "peak_host_mem_bytes": summary.get("ckpt_host_bytes"),
+        "snapshot_bytes": summary.get("snapshot_bytes"),
+        "peak_rss_bytes": summary.get("peak_rss_bytes"),
+        "checkpoints": len(ckpts),
+    }
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["strategies"]
+    base = s.get("blocking", {}).get("stall_median_s")
+    ref = s.get("none", {}).get("mean_step_time_s")
+
+    def fmt(v: float | None, unit: str = "s", digits: int = 4) -> str:
+        return "-" if v is None else f"{v:.{digits}f} {unit}".strip()
+
+    lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
+             "| throughput | bytes/ckpt | imbalance | persist | restore storage "
+             "| restore memory | ckpt host memory |",
+             "| --- | " + " | ".join(["---:"] * 12) + " |"]
+    for name, r in s.items():
+        ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
+                 else None)
+        thr = ref / r["mean_step_time_s"] if ref else None
+        mem = r["peak_host_mem_bytes"]
+        mem_text = "-" if mem is None else (
+            f"{mem / 1e6:.0f} MB = {mem / r['snapshot_bytes']:.2f} snapshots"
+            if r.get("snapshot_bytes") else f"{mem / 1e6:.0f} MB")
+        lines.append(
+            f"| {name} | {fmt(r['stall_median_s'])} | {fmt(r['stall_p90_s'])} "
+            f"| {fmt(ratio, '', 4) if ratio is not None else '-'} "
+            f"| {fmt(r['step_time_s'])} | {fmt(r['step_time_ckpt_s'])} "
+            f"| {fmt(thr, '', 3) if thr else '-'} "
+            f"| {fmt(None if r['bytes_per_ckpt'] is None else r['bytes_per_ckpt'] / 1e6, 'MB', 1)} "
+            f"| {fmt(r['imbalance'], '', 3)} | {fmt(r['persist_s'])} "
+            f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moc bench overhead", description=__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--config", default="bench")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
+    p.add_argument("--quick", action="store_true", help="20 steps: under 5 minutes on 2 cores")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                   choices=list(STRATEGIES))
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all strategies, interleaved; figures are the median "
+                        "over rounds (this machine is shared and noisy)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
+    args = p.parse_args(argv)
+    steps = 20 if args.quick else args.steps
+    common = ["--nproc", str(args.nproc), "--config", args.config, "--steps", str(steps),
+              "--ckpt-interval", str(args.interval)]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        limits = {"disk_write_Bps": disk_write_bandwidth(Path(tmp)),
+                  "memcpy_Bps": memcpy_bandwidth()}
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategies}
+        for i in range(args.repeat):
+            for name in args.strategies:
+                workdir = Path(tmp) / f"{name}-{i}"
+                workdir.mkdir()
+                rounds[name].append(run_strategy(name, common, steps, args.interval, workdir))
+        strategies = {name: _median_of(runs) for name, runs in rounds.items()}
+    result = {"config": {"preset": args.config, "nproc": args.nproc, "steps": steps,
+                         "interval": args.interval, "repeat": args.repeat,
+                         "wall_s": time.perf_counter() - t0},
+              "limits": limits, "strategies": strategies}
+    print(table([("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
+                            f"a checkpoint every {args.interval}"),
+                 ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
+                 ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),
+                 ("wall", f"{result['config']['wall_s']:.0f} s")], "moc bench overhead"))
+    print()
+    print(markdown(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
