@@ -13,10 +13,11 @@ from moc.checkpoint.errors import (
 )
 from moc.checkpoint.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.twolevel import TwoLevelCheckpointer
 from moc.parallel.groups import ParallelGroups
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "ExpertSpec",
            "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "RecoveryReport",
-           "SaveStats"]
+           "SaveStats", "TwoLevelCheckpointer"]
