@@ -22,6 +22,7 @@ is reported; "wait" blocks until the running persist is done.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from moc.checkpoint.storage import complete_steps, remove_abandoned
 from moc.checkpoint.tokens import PLTReport
 
 PERSIST_POLICIES = ("skip", "wait")
+PERSIST_GONE = "the persist process exited; checkpoints are kept in memory only"
 
 
 @dataclass
@@ -101,6 +103,7 @@ class TwoLevelCheckpointer(Checkpointer):
         self._persist_slot: int | None = None  # read by the persist process
         self._persist_step: int | None = None  # the persist in flight
         self._persist_step_of_slot: int | None = None
+        self._persist_alive = True  # rank 0's view, shared at each save
         self._records: dict[int, CheckpointRecord] = {}
         self._done: list[tuple] = []  # rank 0: persist results not yet shared
         self._send_lock = threading.Lock()
@@ -131,8 +134,8 @@ class TwoLevelCheckpointer(Checkpointer):
             try:
                 msg = self._conn.recv()  # blocks until the running persist reports
             except (EOFError, OSError):
-                msg = ("done", self._persist_step, False, "the persist process exited",
-                       0.0, None)
+                msg = ("done", self._persist_step, False, PERSIST_GONE, 0.0, None)
+                self._persist_alive = False
             self._done.append(msg)
             self._record_persist(msg)
             if msg[1] == self._persist_step:
@@ -150,7 +153,9 @@ class TwoLevelCheckpointer(Checkpointer):
         g = self.groups
         if g.rank == 0:
             self._receive(block)
-        done, in_flight = _broadcast((self._done, self._persist_step), g)
+        done, in_flight, alive = _broadcast((self._done, self._persist_step,
+                                             self._persist_alive), g)
+        self._persist_alive = alive
         self._done = []
         for msg in done:
             if g.rank != 0:
@@ -196,7 +201,9 @@ class TwoLevelCheckpointer(Checkpointer):
         g = self.groups
         self.wait_for_snapshot()  # the previous copy must be done (it normally is)
         self._share_done(block=self.persist_policy == "wait")
-        persist_now = self._persist_step is None
+        # Without a persist process (it died), training goes on with snapshots only:
+        # each checkpoint is reported as not persisted, and memory still recovers crashes.
+        persist_now = self._persist_step is None and self._persist_alive
         self.ledger.sync(g.side_group)
         selected = self._select(step)
         prev = self._manifest.entries if self._manifest is not None else {}
@@ -206,7 +213,8 @@ class TwoLevelCheckpointer(Checkpointer):
         written = (selected if prev else
                    [list(range(self.spec.n_experts)) for _ in range(self.spec.n_moe_layers)])
         record = CheckpointRecord(step, self.k, sum(len(e) for e in written), 0.0,
-                                  persist_skipped=not persist_now)
+                                  persist_skipped=not persist_now,
+                                  error=None if self._persist_alive else PERSIST_GONE)
         self._records[step] = record
         slot = next(s for s in range(N_SLOTS) if s not in (self._newest_slot,
                                                              self._persist_slot))
@@ -217,7 +225,10 @@ class TwoLevelCheckpointer(Checkpointer):
 
         def on_done(header: Any) -> None:  # on the snapshot thread
             if persist_now:
-                self._send(("ready", g.rank, step, slot, write, held))
+                # A dead persist process is noticed by rank 0 and shared at the next save;
+                # the snapshot itself is complete either way.
+                with contextlib.suppress(OSError):
+                    self._send(("ready", g.rank, step, slot, write, held))
 
         self._handle = SnapshotHandle(self.store, slot, step, state, meta, on_done=on_done)
         if persist_now:
@@ -226,8 +237,9 @@ class TwoLevelCheckpointer(Checkpointer):
             if g.rank == 0:
                 prev_step = self._manifest.step if self._manifest is not None else None
                 template = self._template(step, extra_state, written)
-                self._send(("persist", PersistRequest(step, prev_step, template,
-                                                      g.world_size)))
+                with contextlib.suppress(OSError):  # reported as failed by _receive
+                    self._send(("persist", PersistRequest(step, prev_step, template,
+                                                          g.world_size)))
         record.save_s = time.perf_counter() - t0
         return record
 
@@ -333,7 +345,8 @@ class TwoLevelCheckpointer(Checkpointer):
         if g.distributed:
             dist.barrier(group=g.side_group)
         if g.rank == 0:
-            self._send(("stop",))
+            with contextlib.suppress(OSError):
+                self._send(("stop",))
             if self._process is not None:
                 self._process.wait(timeout=60)
             if not keep_snapshots:

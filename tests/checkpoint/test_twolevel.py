@@ -95,3 +95,27 @@ def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypa
     assert by_step[1].persist_skipped is False and by_step[1].persist_s >= 1.0
     assert by_step[2].persist_skipped is skipped
     assert complete_steps(tmp_path / "ckpt") == ([1] if skipped else [1, 2])
+
+
+def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tmp_path):
+    import os
+    import signal
+
+    from moc.checkpoint.twolevel import PERSIST_GONE
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    records = _train(model, opt, ckpt, 2)
+    os.kill(ckpt._process.pid, signal.SIGKILL)
+    ckpt._process.wait()
+    records += _train(model, opt, ckpt, 3, start=3)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close(keep_snapshots=True)
+    by_step = {r.step: r for r in records}
+    assert by_step[1].error is None  # step 2's persist may have been running when killed
+    assert all(by_step[s].error == PERSIST_GONE for s in (3, 4, 5))
+    assert complete_steps(root) in ([1], [1, 2])
+    report = TwoLevelCheckpointer(*_build(1), root).restore()
+    assert (report.step, report.source) == (5, "memory")
