@@ -196,8 +196,3 @@ def _persist(job: str, root: Path, req: PersistRequest,
     commit_step(root, req.step, manifest.to_json())
     return [files.get(rank_file(r), 0) for r in range(req.world_size)]
 
-
-if __name__ == "__main__":
-    import sys
-
-    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -41,7 +41,8 @@ from moc.checkpoint.checkpointer import Checkpointer, RecoveryReport, _all_gathe
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.persist import PersistRequest, connect
-from moc.checkpoint.recovery import DictReader, load_rank_state
+from moc.checkpoint.recovery import CheckpointReader, DictReader, load_rank_state
+from moc.checkpoint.selection import SelectionContext, select_experts
 from moc.checkpoint.snapshot import (
     N_SLOTS,
     SnapshotHandle,
@@ -51,6 +52,7 @@ from moc.checkpoint.snapshot import (
     remove_job,
     remove_stale_jobs,
 )
+from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.storage import complete_steps, remove_abandoned
 from moc.checkpoint.tokens import PLTReport
 
@@ -75,6 +77,11 @@ class CheckpointRecord:
     persist_s: float | None = None
     bytes_per_rank: list[int] | None = None
     error: str | None = None
+    k_snapshot: int | None = None
+    """Experts per layer in this checkpoint's snapshot."""
+    k_snapshot_chosen: dict[str, Any] | None = None
+    """Set when `k_snapshot="auto"` chose K_snapshot before this checkpoint: the choice
+    and what it was measured from (window_s, copy_Bps)."""
 
     @property
     def stall_s(self) -> float:
@@ -83,7 +90,8 @@ class CheckpointRecord:
 
 class TwoLevelCheckpointer(Checkpointer):
     def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
-                 job: str | None = None, persist_policy: str = "skip", **kwargs: Any) -> None:
+                 job: str | None = None, persist_policy: str = "skip",
+                 k_snapshot: int | str | None = None, **kwargs: Any) -> None:
         if persist_policy not in PERSIST_POLICIES:
             raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                              f"got {persist_policy!r}")
@@ -97,6 +105,19 @@ class TwoLevelCheckpointer(Checkpointer):
                              "--ckpt-mode pec across nodes")
         self.job = job or default_job_id(directory)
         self.persist_policy = persist_policy
+        n = self.spec.n_experts
+        if k_snapshot in (None, "all", "auto"):
+            self.k_snapshot = n
+        elif isinstance(k_snapshot, int) and 1 <= k_snapshot:
+            self.k_snapshot = min(k_snapshot, n)
+        else:
+            raise ValueError(f"k_snapshot must be an integer >= 1, 'all' or 'auto', "
+                             f"got {k_snapshot!r}")
+        self.auto_k_snapshot = k_snapshot == "auto"
+        self._k_snapshot_choice: dict[str, Any] | None = None  # rank 0's measurement
+        self._snap_index = 0  # partial snapshots so far (their sequential rotation's c)
+        self._saved_at_time: float | None = None  # when save() returned
+        self.k_snapshot_chosen: dict[str, Any] | None = None
         self.store = SnapshotStore(self.job, g.rank)
         self._handle: SnapshotHandle | None = None
         self._newest_slot: int | None = None  # the newest complete snapshot: recovery
@@ -116,8 +137,9 @@ class TwoLevelCheckpointer(Checkpointer):
             owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
             (jdir / "owner.pid").write_text(str(owner))
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "moc.checkpoint.persist", self.job, str(self.root),
-                 str(os.getpid())])
+                [sys.executable, "-c", "import sys; from moc.checkpoint.persist import serve; "
+                 "serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
+                 self.job, str(self.root), str(os.getpid())])
         self._conn: Connection = connect(job_dir(self.job))
         self._send(("hello", g.rank))
 
@@ -153,9 +175,13 @@ class TwoLevelCheckpointer(Checkpointer):
         g = self.groups
         if g.rank == 0:
             self._receive(block)
-        done, in_flight, alive = _broadcast((self._done, self._persist_step,
-                                             self._persist_alive), g)
+        done, in_flight, alive, choice = _broadcast(
+            (self._done, self._persist_step, self._persist_alive, self._k_snapshot_choice), g)
         self._persist_alive = alive
+        self._k_snapshot_choice = None
+        if choice is not None:
+            self.k_snapshot = choice["k_snapshot"]
+            self.k_snapshot_chosen = choice
         self._done = []
         for msg in done:
             if g.rank != 0:
@@ -218,10 +244,16 @@ class TwoLevelCheckpointer(Checkpointer):
         self._records[step] = record
         slot = next(s for s in range(N_SLOTS) if s not in (self._newest_slot,
                                                              self._persist_slot))
-        meta = {"extra": extra_state or {}, "ledger": self.ledger.to_json(), "k": self.k,
-                "lost_base": self._lost_base.tolist(),
-                "layout": {"world_size": g.world_size, "ep": g.layout.ep}}
         held = list(state)
+        snapshot_experts = self._snapshot_experts(prev, written if persist_now else None)
+        snapshot = self._snapshot_keys(state, snapshot_experts, set(write))
+        meta = {"extra": extra_state or {}, "ledger": self.ledger.to_json(), "k": self.k,
+                "lost_base": self._lost_base.tolist(), "snap_index": self._snap_index,
+                "k_snapshot": self.k_snapshot,
+                "layout": {"world_size": g.world_size, "ep": g.layout.ep}}
+        record.k_snapshot = self.k_snapshot
+        record.k_snapshot_chosen, self.k_snapshot_chosen = self.k_snapshot_chosen, None
+        self._snap_index += 1
 
         def on_done(header: Any) -> None:  # on the snapshot thread
             if persist_now:
@@ -230,7 +262,7 @@ class TwoLevelCheckpointer(Checkpointer):
                 with contextlib.suppress(OSError):
                     self._send(("ready", g.rank, step, slot, write, held))
 
-        self._handle = SnapshotHandle(self.store, slot, step, state, meta, on_done=on_done)
+        self._handle = SnapshotHandle(self.store, slot, step, snapshot, meta, on_done=on_done)
         if persist_now:
             self._persist_slot, self._persist_step_of_slot = slot, step
             self._persist_step = step
@@ -241,7 +273,32 @@ class TwoLevelCheckpointer(Checkpointer):
                     self._send(("persist", PersistRequest(step, prev_step, template,
                                                           g.world_size)))
         record.save_s = time.perf_counter() - t0
+        self._saved_at_time = time.perf_counter()
         return record
+
+    def _snapshot_experts(self, prev: dict, persisted: list[list[int]] | None
+                          ) -> list[set[int]]:
+        """Experts per layer in this snapshot: K_snapshot of them in sequential rotation,
+        plus those this checkpoint persists (the persist reads them from the snapshot);
+        all of them when K_snapshot = N or the chain has no older copy yet."""
+        spec = self.spec
+        if not prev or self.k_snapshot >= spec.n_experts:
+            return [set(range(spec.n_experts)) for _ in range(spec.n_moe_layers)]
+        ctx = SelectionContext(self._snap_index, spec.n_experts, spec.n_moe_layers,
+                               self.k_snapshot, ep=self.groups.layout.ep)
+        chosen = [set(e) for e in select_experts("sequential", ctx)]
+        for m, extra in enumerate(persisted or []):
+            chosen[m].update(extra)
+        return chosen
+
+    def _snapshot_keys(self, state: dict[str, torch.Tensor], experts: list[set[int]],
+                       write: set[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, t in state.items():
+            parsed = parse_expert_key(key)
+            if parsed is None or key in write or parsed[2] in experts[self._stems[parsed[1]]]:
+                out[key] = t
+        return out
 
     def _template(self, step: int, extra_state: dict[str, Any] | None,
                   written: list[list[int]]) -> dict[str, Any]:
@@ -267,62 +324,153 @@ class TwoLevelCheckpointer(Checkpointer):
         if handle is None:
             return None
         t0 = time.perf_counter()
-        handle.wait()
+        window = t0 - self._saved_at_time if self._saved_at_time is not None else None
+        header = handle.wait()
         self._handle = None
         self._newest_slot = handle.slot
+        if self.auto_k_snapshot and window is not None:
+            # Measured once, on the first snapshot (a complete one), and shared by rank 0
+            # at the next save so that every rank uses the same K_snapshot.
+            self.auto_k_snapshot = False
+            if self.groups.rank == 0:
+                self._k_snapshot_choice = self._size_snapshot(header, handle.seconds, window)
         rec = self._records.get(handle.step)
         if rec is not None:
             rec.wait_s = time.perf_counter() - t0
             rec.snapshot_s = handle.seconds
         return rec
 
+    def _size_snapshot(self, header: Any, seconds: float, window: float) -> dict[str, Any]:
+        """The paper's adaptive configuration: the largest K_snapshot whose copy still
+        hides behind a forward and backward pass, from the copy just measured (its bytes
+        and time) and the time training ran meanwhile (save() returning to
+        wait_for_snapshot()). Never below K_persist: the persist reads from it."""
+        nbytes = {k: torch.Size(e.shape).numel() * _itemsize(e.dtype)
+                  for k, e in header.entries.items()}
+        dense = sum(b for k, b in nbytes.items() if parse_expert_key(k) is None)
+        experts: dict[tuple[int, int], int] = {}
+        for k, b in nbytes.items():
+            parsed = parse_expert_key(k)
+            if parsed is not None:
+                at = (self._stems[parsed[1]], parsed[2])
+                experts[at] = experts.get(at, 0) + b
+        per_k = (sum(experts.values()) / max(1, len(experts))) * self.spec.n_moe_layers
+        bandwidth = sum(nbytes.values()) / max(seconds, 1e-9)
+        budget = bandwidth * window - dense
+        k = int(budget // per_k) if per_k else self.spec.n_experts
+        floor = min(self.k, self.spec.n_experts)
+        k = max(floor, min(self.spec.n_experts, k))
+        return {"k_snapshot": k, "window_s": window, "copy_Bps": bandwidth,
+                "snapshot_s": seconds}
+
     # -- recovery --------------------------------------------------------------------------
 
     def restore(self) -> RecoveryReport | None:
         """Restore from memory when every rank holds a complete, checksum-clean snapshot
         at least as new as the newest persisted step; from storage otherwise.
-        Collective."""
+
+        A partial snapshot (K_snapshot < N) holds some experts only; each of the others
+        comes from its newest copy in an older snapshot slot or in storage, and the
+        tokens routed to it since that copy are counted as lost. Collective."""
         g = self.groups
         if g.rank == 0:
             remove_abandoned(self.root)
         storage = _broadcast(complete_steps(self.root), g)
         newest_storage = storage[-1] if storage else None
         layout = {"world_size": g.world_size, "ep": g.layout.ep}
-        headers = self.store.headers()
-        mine = {h.step: slot for slot, h in headers.items() if h.meta.get("layout") == layout}
+        headers = {slot: h for slot, h in self.store.headers().items()
+                   if h.meta.get("layout") == layout}
+        mine = {h.step: slot for slot, h in headers.items()}
         everyone = _all_gather(sorted(mine), g.side_group, g)
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
         for step in sorted(common, reverse=True):
             if newest_storage is not None and step < newest_storage:
                 break
             t0 = time.perf_counter()
-            slot = mine[step]
-            status = "ok"
+            status, copies = "ok", None
             try:
-                tensors = self.store.read(slot, headers[slot])
-                load_rank_state(DictReader(tensors), self.model, self.optimizer, self.spec,
-                                g.rank)
+                reader, copies = self._memory_reader(step, headers, newest_storage)
+                load_rank_state(reader, self.model, self.optimizer, self.spec, g.rank)
             except CheckpointError as e:
                 status = str(e)
-            if all(s == "ok" for s in _all_gather(status, g.side_group, g)):
-                return self._from_memory(step, slot, headers[slot].meta,
+            if all(st == "ok" for st in _all_gather(status, g.side_group, g)):
+                return self._from_memory(step, mine[step], headers, copies,
                                          time.perf_counter() - t0, newest_storage)
         self._newest_slot = self._persist_slot = None
         return super().restore()
 
-    def _from_memory(self, step: int, slot: int, meta: dict[str, Any], seconds: float,
+    def _memory_reader(self, step: int, headers: dict[int, Any], newest_storage: int | None
+                       ) -> tuple[DictReader, dict[str, tuple[int, str]]]:
+        """Every key at its newest copy no newer than `step`: the snapshot of `step`,
+        older snapshots, the newest persisted manifest. Also returns, per key, the step
+        and the source ("slot-i" or "storage") of the copy used."""
+        tensors: dict[str, Any] = {}
+        copies: dict[str, tuple[int, str]] = {}
+        if newest_storage is not None:
+            reader = CheckpointReader(self.root, Manifest.load(self.root, newest_storage))
+            for key, entry in reader.manifest.entries.items():
+                tensors[key] = _Lazy(reader, key)
+                copies[key] = (entry.step, "storage")
+        for slot, header in sorted(headers.items(), key=lambda kv: kv[1].step):
+            if header.step > step:
+                continue
+            try:
+                snap = self.store.read(slot, header)
+            except CheckpointError:
+                if header.step == step:
+                    raise
+                continue  # an older snapshot that does not verify is simply not used
+            for key, t in snap.items():
+                if key not in copies or header.step >= copies[key][0]:
+                    tensors[key], copies[key] = t, (header.step, f"slot-{slot}")
+        return _LazyDictReader(tensors), copies
+
+    def _from_memory(self, step: int, slot: int, headers: dict[int, Any],
+                     copies: dict[str, tuple[int, str]], seconds: float,
                      newest_storage: int | None) -> RecoveryReport:
-        """Every expert came back at `step`: nothing is lost."""
+        """Account a recovery from memory: experts whose newest copy is older than
+        `step` (a partial snapshot) lose the tokens routed to them since."""
+        g, spec = self.groups, self.spec
+        meta = headers[slot].meta
         self._newest_slot, self._persist_slot = slot, None
+        self._snap_index = int(meta.get("snap_index", -1)) + 1
         self.ledger.load_json(meta["ledger"])
+        cumulative = self.ledger.cumulative.clone()
+        manifest = None
         if newest_storage is not None:
             self._on_committed(newest_storage)  # the chain continues from storage
+            manifest = self._manifest
+        # Per (layer, expert) held here: cumulative count at the copy restored.
+        at_copy = torch.full_like(cumulative, -1)
+        kind = self._tracked_kind()
+        held = set(self._local_state())
+        for key, (_, source) in copies.items():
+            parsed = parse_expert_key(key)
+            if parsed is None or parsed[0] != kind or key not in held:
+                continue
+            m, e = self._stems[parsed[1]], parsed[2]
+            if source == "storage":
+                value = int(manifest.tokens["at_save"][m][e]) if manifest else 0
+            else:
+                slot_meta = headers[int(source.split("-")[1])].meta
+                value = int(slot_meta["ledger"]["cumulative"][m][e])
+            at_copy[m, e] = value if at_copy[m, e] < 0 else min(int(at_copy[m, e]), value)
+        # Every rank knows only its own experts; together they know all of them.
+        at_copy = torch.stack(_all_gather(at_copy, g.side_group, g)).max(dim=0).values
+        at_copy = torch.where(at_copy < 0, cumulative, at_copy)
+        lost_per_layer = (cumulative - at_copy).sum(dim=1)
+        self.ledger.lost += lost_per_layer
         if self.policy.dynamic_k:
             self.k = max(self.k, int(meta["k"]))
             self._lost_base = torch.tensor(meta["lost_base"], dtype=torch.int64)
-        plt = PLTReport(0, [0] * self.spec.n_moe_layers, self.ledger.plt())
+        k_before = self.k
+        if (self.policy.dynamic_k and self.k < spec.n_experts
+                and self.ledger.plt(self._lost_base) > self.policy.plt_threshold):
+            self.k = min(2 * self.k, spec.n_experts)
+            self._lost_base = self.ledger.lost.clone()
+        plt = PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.ledger.plt())
         return RecoveryReport(step, meta["extra"], "memory", seconds, plt.lost_tokens,
-                              plt.lost_per_layer, plt.plt, self.k, self.k, [])
+                              plt.lost_per_layer, plt.plt, self.k, k_before, [])
 
     def host_memory(self) -> dict[str, int]:
         """This rank's shared memory for checkpointing (all slots) and one snapshot's
@@ -353,6 +501,26 @@ class TwoLevelCheckpointer(Checkpointer):
                 remove_job(self.job)
         self._conn.close()
         super().close()
+
+
+class _Lazy:
+    """A key of a storage checkpoint, read (and checked) only if it is used."""
+
+    def __init__(self, reader: CheckpointReader, key: str) -> None:
+        self.reader, self.key = reader, key
+
+    def load(self) -> torch.Tensor:
+        return self.reader.get(self.key)
+
+
+class _LazyDictReader(DictReader):
+    def get(self, key: str) -> torch.Tensor:
+        t = super().get(key)
+        return t.load() if isinstance(t, _Lazy) else t
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _broadcast(obj: Any, groups) -> Any:

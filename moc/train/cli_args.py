@@ -35,6 +35,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                         "(default) or waits for it")
     p.add_argument("--k-persist", help="pec: experts saved per MoE layer per checkpoint, "
                                        "an integer or 'all' (default 1)")
+    p.add_argument("--k-snapshot", default="all",
+                   help="moc: experts per MoE layer in the memory snapshot: an integer, "
+                        "'all' (default: exact recovery from a process crash) or 'auto'")
     p.add_argument("--selection", choices=["sequential", "load-aware"], default="sequential",
                    help="pec: which experts a checkpoint saves")
     p.add_argument("--pec-apply", choices=["weights", "optimizer", "both"], default="both",
@@ -67,6 +70,16 @@ def parse_k(value: str | None) -> int | None:
         raise ValueError(f"--k-persist must be an integer or 'all', got {value!r}") from None
 
 
+def _parse_k_snapshot(value: str) -> int | str:
+    if value in ("all", "auto"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--k-snapshot must be an integer, 'all' or 'auto', got {value!r}"
+                         ) from None
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_preset(
         args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
@@ -75,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
-        persist_policy=args.persist_policy, fault_kind=args.fault_kind)
+        persist_policy=args.persist_policy, fault_kind=args.fault_kind,
+        k_snapshot=_parse_k_snapshot(args.k_snapshot))
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

@@ -71,6 +71,10 @@ class TrainConfig:
     moc (pec + a complete snapshot in shared memory + a background persist process)."""
     persist_policy: str = "skip"
     """moc: when a checkpoint comes while the previous persist runs: skip or wait."""
+    k_snapshot: int | str = "all"
+    """moc: experts per MoE layer in the memory snapshot: an integer, all (exact
+    recovery from a process crash) or auto (the largest whose copy hides behind a
+    forward and backward pass, measured on the first checkpoint)."""
     k_persist: int | None = 1
     """pec: experts saved per MoE layer per checkpoint; None saves all (K = N)."""
     selection: str = "sequential"
@@ -116,6 +120,10 @@ class TrainConfig:
         if self.fault_kind not in FAULT_KINDS:
             raise ValueError(f"--fault-kind must be one of {', '.join(FAULT_KINDS)}, "
                              f"got {self.fault_kind!r}")
+        if not (self.k_snapshot in ("all", "auto")
+                or (isinstance(self.k_snapshot, int) and self.k_snapshot >= 1)):
+            raise ValueError(f"--k-snapshot must be an integer >= 1, all or auto, "
+                             f"got {self.k_snapshot!r}")
         if self.persist_policy not in ("skip", "wait"):
             raise ValueError(f"--persist-policy must be skip or wait, got {self.persist_policy!r}")
         if self.fault_rank < 0:

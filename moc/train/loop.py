@@ -127,7 +127,8 @@ class Trainer:
             self.checkpointer = TwoLevelCheckpointer(
                 self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
                 policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
-                model_meta=self.model_meta(), persist_policy=cfg.persist_policy)
+                model_meta=self.model_meta(), persist_policy=cfg.persist_policy,
+                k_snapshot=cfg.k_snapshot)
         elif cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
             self.checkpointer = Checkpointer(
                 self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
@@ -238,6 +239,12 @@ class Trainer:
                 note = self._report(result, _save_event(stats), progress)
             elif isinstance(self.checkpointer, TwoLevelCheckpointer):
                 for rec in self.checkpointer.drain_completed():
+                    if rec.k_snapshot_chosen:
+                        self.metrics.emit("k_snapshot", step=rec.step,
+                                          k=rec.k_snapshot_chosen["k_snapshot"],
+                                          window_s=rec.k_snapshot_chosen["window_s"],
+                                          copy_Bps=rec.k_snapshot_chosen["copy_Bps"])
+                        progress.message(f"K_snapshot = {rec.k_snapshot} (auto)")
                     note = self._report(result, _record_event(rec), progress)
             progress.update(self.step, loss, note)
         if isinstance(self.checkpointer, TwoLevelCheckpointer):
@@ -313,4 +320,5 @@ def _record_event(rec: CheckpointRecord) -> dict[str, Any]:
             "bytes_per_rank": per_rank, "imbalance": imbalance(per_rank) if per_rank else None,
             "mode": "moc", "k": rec.k, "experts_saved": rec.experts_saved,
             "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s,
+            "k_snapshot": rec.k_snapshot,
             "persist_skipped": rec.persist_skipped, "error": rec.error}

@@ -119,3 +119,55 @@ def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tm
     assert complete_steps(root) in ([1], [1, 2])
     report = TwoLevelCheckpointer(*_build(1), root).restore()
     assert (report.step, report.source) == (5, "memory")
+
+
+def _train_keeping_copies(model, opt, ckpt, steps):
+    copies, records = {}, []
+    for step in range(1, steps + 1):
+        records += _train(model, opt, ckpt, 1, start=step)
+        copies[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return copies, records
+
+
+def test_a_partial_snapshot_restores_each_expert_from_its_newest_copy(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=1,
+                                persist_policy="wait", k_snapshot=2)
+    copies, _ = _train_keeping_copies(model, opt, ckpt, 9)
+    ckpt.close(keep_snapshots=True)
+    fresh, fresh_opt = _build(1)
+    resumed = TwoLevelCheckpointer(fresh, fresh_opt, root, policy=PECPolicy(k=1),
+                                   k_snapshot=2)
+    report = resumed.restore()
+    assert (report.step, report.source) == (9, "memory")
+    assert report.lost_tokens > 0  # some experts came from copies older than step 9
+    params = dict(fresh.named_parameters())
+    for name, p in params.items():
+        if "experts" not in name:
+            assert torch.equal(p, copies[9][name]), name
+    w1 = params["layers.0.ffn.experts.w1_LDF"]
+    sources = {}
+    for e in range(8):
+        matches = [s for s in range(1, 10)
+                   if torch.equal(w1[e], copies[s]["layers.0.ffn.experts.w1_LDF"][e])]
+        assert matches, f"expert {e} matches no saved step"
+        sources[e] = max(matches)
+    assert len({s for s in sources.values()}) > 1 and max(sources.values()) == 9
+    resumed.close()
+
+
+def test_auto_k_snapshot_measures_the_first_copy_and_chooses(tmp_path):
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=2),
+                                interval=1, persist_policy="wait", k_snapshot="auto")
+    records = _train(model, opt, ckpt, 3)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    chosen = [r.k_snapshot_chosen for r in records if r.k_snapshot_chosen]
+    assert len(chosen) == 1
+    choice = chosen[0]
+    assert 2 <= choice["k_snapshot"] <= 8
+    assert choice["window_s"] > 0 and choice["copy_Bps"] > 0
+    assert records[-1].k_snapshot == choice["k_snapshot"]

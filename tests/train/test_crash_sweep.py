@@ -88,8 +88,10 @@ def test_a_kill_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
                  if e["event"] == "step"]
         if steps and max(steps) >= kill_step:
             time.sleep(delay)
-            pid = (_pids("moc.checkpoint.persist")[:1] or [None])[0] if target == "persist" \
-                else _rank_pid(int(target[-1]))
+            if target == "persist":
+                pid = (_pids("moc.checkpoint.persist import serve")[:1] or [None])[0]
+            else:
+                pid = _rank_pid(int(target[-1]))
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = pid
