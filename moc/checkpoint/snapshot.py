@@ -107,6 +107,7 @@ class SnapshotStore:
         self.dir = job_dir(job) / f"rank-{rank:05d}"
         self.rank = rank
         self._maps: dict[int, torch.Tensor] = {}
+        self._pinned: set[int] = set()
 
     def bin_path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot}.bin"
@@ -119,6 +120,8 @@ class SnapshotStore:
         zero: a reader maps what is there) and the mapping kept for reuse."""
         buf = self._maps.get(slot)
         if buf is None or buf.numel() != size:
+            if buf is not None and slot in self._pinned:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
             self.dir.mkdir(parents=True, exist_ok=True)
             path = self.bin_path(slot)
             if not path.exists() or path.stat().st_size != size:
@@ -126,7 +129,17 @@ class SnapshotStore:
                 os.truncate(path, size)
             buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
             self._maps[slot] = buf
+            self._pinned.discard(slot)
         return buf
+
+    def _pin(self, slot: int, buf: torch.Tensor) -> None:
+        """Register a slot's mapping with CUDA once, so device-to-host copies into it
+        are asynchronous (pinned) rather than staged through pageable memory."""
+        if slot in self._pinned or buf.numel() == 0:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+        if int(rc) == 0:  # else: copies still work, synchronously
+            self._pinned.add(slot)
 
     def headers(self) -> dict[int, SnapshotHeader]:
         """Complete snapshots by slot (a slot without a readable header is not one)."""
@@ -139,19 +152,37 @@ class SnapshotStore:
         return out
 
     def write(self, slot: int, step: int, tensors: dict[str, torch.Tensor],
-              meta: dict[str, Any]) -> SnapshotHeader:
-        """Copy `tensors` into `slot` and publish its header. Blocks until done."""
+              meta: dict[str, Any], ready: Any = None) -> SnapshotHeader:
+        """Copy `tensors` into `slot` and publish its header. Blocks until done.
+
+        GPU tensors are copied on a side stream that first waits for `ready` (a CUDA
+        event recorded on the training stream when the checkpoint was requested), into
+        the slot's mapping registered as pinned memory, so the copies are asynchronous
+        DMA that overlaps the next forward and backward.
+        """
         self.header_path(slot).unlink(missing_ok=True)  # the slot is now incomplete
         offsets, size = _layout(tensors)
         buf = self._map(slot, size)
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        if on_gpu:
+            self._pin(slot, buf)
+            stream = torch.cuda.Stream()
+            if ready is not None:
+                stream.wait_event(ready)
+        views = {}
+        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            for key, t in tensors.items():
+                n = t.numel() * t.element_size()
+                dst = buf[offsets[key]:offsets[key] + n]
+                if n:
+                    dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=on_gpu)
+                views[key] = dst
+        if on_gpu:
+            stream.synchronize()  # blocks this (background) thread until the DMA is done
         entries = {}
         for key, t in tensors.items():
-            n = t.numel() * t.element_size()
-            dst = buf[offsets[key]:offsets[key] + n]
-            if n:
-                dst.view(t.dtype).view(t.shape).copy_(t.detach())
             entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
-                                     tuple(t.shape), zlib.crc32(tensor_bytes(dst)))
+                                     tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
         header = SnapshotHeader(step, entries, meta)
         tmp = self.header_path(slot).with_suffix(".json.tmp")
         tmp.write_text(header.to_json())
@@ -196,12 +227,18 @@ class SnapshotHandle:
         self.seconds = 0.0
         self._error: BaseException | None = None
         self.header: SnapshotHeader | None = None
+        ready = None
+        if any(t.is_cuda for t in tensors.values()):
+            # The state is final once the work queued so far on the training stream is
+            # done; the copy waits for exactly that, not for the whole device.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
 
         def run() -> None:
             _lower_priority()
             t0 = time.perf_counter()
             try:
-                self.header = store.write(slot, step, tensors, meta)
+                self.header = store.write(slot, step, tensors, meta, ready)
                 self.seconds = time.perf_counter() - t0
                 if on_done is not None:
                     on_done(self.header)
