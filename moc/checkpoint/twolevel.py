@@ -366,12 +366,16 @@ class TwoLevelCheckpointer(Checkpointer):
     # -- recovery --------------------------------------------------------------------------
 
     def restore(self) -> RecoveryReport | None:
-        """Restore from memory when every rank holds a complete, checksum-clean snapshot
-        at least as new as the newest persisted step; from storage otherwise.
+        """Restore the newest step every rank can restore, each rank from its node's
+        memory when its snapshot there is complete and its checksums hold, from storage
+        otherwise ("memory", "mixed" or "storage"). Collective.
 
         A partial snapshot (K_snapshot < N) holds some experts only; each of the others
         comes from its newest copy in an older snapshot slot or in storage, and the
-        tokens routed to it since that copy are counted as lost. Collective."""
+        tokens routed to it since that copy are counted as lost. When the replicas of an
+        expert came back from different sources ("mixed"), the ones restored from
+        storage take the weights of one restored from memory, so replicas never diverge.
+        """
         g = self.groups
         if g.rank == 0:
             remove_abandoned(self.root)
@@ -381,23 +385,54 @@ class TwoLevelCheckpointer(Checkpointer):
         headers = {slot: h for slot, h in self.store.headers().items()
                    if h.meta.get("layout") == layout}
         mine = {h.step: slot for slot, h in headers.items()}
-        everyone = _all_gather(sorted(mine), g.side_group, g)
-        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-        for step in sorted(common, reverse=True):
+        everyone = [set(m) for m in _all_gather(sorted(mine), g.side_group, g)]
+        candidates = set().union(*everyone)
+        for step in sorted(candidates, reverse=True):
             if newest_storage is not None and step < newest_storage:
                 break
+            if not all(step in m or step in storage for m in everyone):
+                continue  # a rank without this snapshot has no other copy of it
             t0 = time.perf_counter()
-            status, copies = "ok", None
+            status, copies = "memory" if step in mine else "storage", None
             try:
-                reader, copies = self._memory_reader(step, headers, newest_storage)
+                if status == "memory":
+                    reader, copies = self._memory_reader(step, headers, newest_storage)
+                else:
+                    reader = CheckpointReader(self.root, Manifest.load(self.root, step))
+                    copies = {k: (e.step, "storage")
+                              for k, e in reader.manifest.entries.items()}
                 load_rank_state(reader, self.model, self.optimizer, self.spec, g.rank)
             except CheckpointError as e:
-                status = str(e)
-            if all(st == "ok" for st in _all_gather(status, g.side_group, g)):
-                return self._from_memory(step, mine[step], headers, copies,
-                                         time.perf_counter() - t0, newest_storage)
+                status = f"failed: {e}"
+            statuses = _all_gather(status, g.side_group, g)
+            if all(st in ("memory", "storage") for st in statuses):
+                if "storage" in statuses:
+                    self._align_expert_replicas(statuses)
+                source = "memory" if "storage" not in statuses else "mixed"
+                meta = _broadcast_from(headers[mine[step]].meta if step in mine else None,
+                                       statuses.index("memory"), g)
+                return self._from_memory(step, mine.get(step), meta, headers, copies,
+                                         time.perf_counter() - t0, newest_storage, source)
         self._newest_slot = self._persist_slot = None
         return super().restore()
+
+    @torch.no_grad()
+    def _align_expert_replicas(self, statuses: list[str]) -> None:
+        """Within each EDP group, replicas restored from storage take the expert weights
+        of the first replica restored from memory (collective over the EDP group)."""
+        g = self.groups
+        if not g.distributed or g.layout.edp == 1:
+            return
+        members = g.layout.edp_groups()[g.ep_rank]
+        from_memory = [r for r in members if statuses[r] == "memory"]
+        if not from_memory or len(from_memory) == len(members):
+            return
+        experts = self.spec.by_name()
+        for name, p in self.model.named_parameters():
+            if name in experts:
+                buf = p.detach().cpu().clone()
+                dist.broadcast(buf, src=from_memory[0], group=g.edp_side_group)
+                p.copy_(buf)
 
     def _memory_reader(self, step: int, headers: dict[int, Any], newest_storage: int | None
                        ) -> tuple[DictReader, dict[str, tuple[int, str]]]:
@@ -425,13 +460,13 @@ class TwoLevelCheckpointer(Checkpointer):
                     tensors[key], copies[key] = t, (header.step, f"slot-{slot}")
         return _LazyDictReader(tensors), copies
 
-    def _from_memory(self, step: int, slot: int, headers: dict[int, Any],
-                     copies: dict[str, tuple[int, str]], seconds: float,
-                     newest_storage: int | None) -> RecoveryReport:
-        """Account a recovery from memory: experts whose newest copy is older than
-        `step` (a partial snapshot) lose the tokens routed to them since."""
+    def _from_memory(self, step: int, slot: int | None, meta: dict[str, Any],
+                     headers: dict[int, Any], copies: dict[str, tuple[int, str]],
+                     seconds: float, newest_storage: int | None, source: str
+                     ) -> RecoveryReport:
+        """Account a recovery from memory (on some ranks at least): experts whose newest
+        copy is older than `step` lose the tokens routed to them since."""
         g, spec = self.groups, self.spec
-        meta = headers[slot].meta
         self._newest_slot, self._persist_slot = slot, None
         self._snap_index = int(meta.get("snap_index", -1)) + 1
         self.ledger.load_json(meta["ledger"])
@@ -444,15 +479,15 @@ class TwoLevelCheckpointer(Checkpointer):
         at_copy = torch.full_like(cumulative, -1)
         kind = self._tracked_kind()
         held = set(self._local_state())
-        for key, (_, source) in copies.items():
+        for key, (_, origin) in copies.items():
             parsed = parse_expert_key(key)
             if parsed is None or parsed[0] != kind or key not in held:
                 continue
             m, e = self._stems[parsed[1]], parsed[2]
-            if source == "storage":
+            if origin == "storage":
                 value = int(manifest.tokens["at_save"][m][e]) if manifest else 0
             else:
-                slot_meta = headers[int(source.split("-")[1])].meta
+                slot_meta = headers[int(origin.split("-")[1])].meta
                 value = int(slot_meta["ledger"]["cumulative"][m][e])
             at_copy[m, e] = value if at_copy[m, e] < 0 else min(int(at_copy[m, e]), value)
         # Every rank knows only its own experts; together they know all of them.
@@ -469,7 +504,7 @@ class TwoLevelCheckpointer(Checkpointer):
             self.k = min(2 * self.k, spec.n_experts)
             self._lost_base = self.ledger.lost.clone()
         plt = PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.ledger.plt())
-        return RecoveryReport(step, meta["extra"], "memory", seconds, plt.lost_tokens,
+        return RecoveryReport(step, meta["extra"], source, seconds, plt.lost_tokens,
                               plt.lost_per_layer, plt.plt, self.k, k_before, [])
 
     def host_memory(self) -> dict[str, int]:
@@ -521,6 +556,14 @@ class _LazyDictReader(DictReader):
 
 def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _broadcast_from(obj: Any, src: int, groups) -> Any:
+    if not groups.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=groups.side_group)
+    return box[0]
 
 
 def _broadcast(obj: Any, groups) -> Any:

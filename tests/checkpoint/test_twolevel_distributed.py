@@ -1,0 +1,77 @@
+"""Two-level recovery on real ranks: one rank's snapshot is gone, the other's is not."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.snapshot import default_job_id, job_dir
+from moc.checkpoint.twolevel import TwoLevelCheckpointer
+from moc.model import ModelConfig, Transformer
+from moc.parallel import (
+    ParallelGroups,
+    ShardedAdamW,
+    clip_grad_norm_,
+    shard_experts,
+    sync_gradients,
+)
+from tests.distributed import run_ranks
+
+CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+
+
+@pytest.fixture(autouse=True)
+def shm(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))  # inherited by the ranks
+
+
+def _build():
+    groups = ParallelGroups.from_world(1, CFG.n_experts)  # ep = 1: every expert replicated
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    shard_experts(model, groups)
+    return groups, model, ShardedAdamW(model, groups, lr=1e-2)
+
+
+def _train(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    groups, model, opt = _build()
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    for step in range(1, 5):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(10 * step
+                                                                                     + rank))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        clip_grad_norm_(model, groups, 1.0)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+    ckpt.close(keep_snapshots=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _restore(rank: int, world: int, root: str) -> dict:
+    groups, model, opt = _build()
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1))
+    report = ckpt.restore()
+    ckpt.close()
+    return {"step": report.step, "source": report.source, "lost": report.lost_tokens,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(_train, 2, root)
+    shutil.rmtree(job_dir(default_job_id(root)) / "rank-00001")  # rank 1 lost its memory
+    results = run_ranks(_restore, 2, root)
+    for res in results:
+        assert (res["step"], res["source"]) == (4, "mixed")
+        assert res["lost"] == 0  # every expert's weights came back from rank 0's memory
+        for name, p in res["params"].items():
+            assert torch.equal(p, saved[0][name]), name
