@@ -8,7 +8,7 @@ a persist or a commit), and then checks:
     2. every complete step equals the uninterrupted run's step, key by key, bitwise;
     3. restarting the job recovers (from memory or storage) and every loss it logs from
        there on equals the uninterrupted run's.
-Run with `make test-slow` (about 10 minutes on 2 cores).
+Run with `make test-slow` (about 9 minutes on 2 cores).
 """
 
 from __future__ import annotations
