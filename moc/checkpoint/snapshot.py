@@ -115,22 +115,50 @@ class SnapshotStore:
     def header_path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot}.json"
 
-    def _map(self, slot: int, size: int) -> torch.Tensor:
-        """The slot's bytes as a shared mapping; the file is sized (never truncated to
-        zero: a reader maps what is there) and the mapping kept for reuse."""
+    def _map(self, slot: int, size: int, allocate: bool = False) -> torch.Tensor:
+        """The slot's bytes as a shared mapping, kept for reuse. A writer (`allocate`)
+        sizes the file and reserves its pages up front: tmpfs allocates lazily, and a
+        full /dev/shm would otherwise kill the process with SIGBUS mid-copy instead of
+        failing here with ENOSPC. A reader maps what is there, never resizing it."""
         buf = self._maps.get(slot)
         if buf is None or buf.numel() != size:
-            if buf is not None and slot in self._pinned:
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            self._unmap(slot)
             self.dir.mkdir(parents=True, exist_ok=True)
             path = self.bin_path(slot)
-            if not path.exists() or path.stat().st_size != size:
-                path.touch()
-                os.truncate(path, size)
+            if allocate and (not path.exists() or path.stat().st_size != size):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    if size:
+                        os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"cannot reserve {size / 1e6:.0f} MB for a snapshot in {self.dir}: "
+                        f"{e.strerror}; give the node more shared memory (e.g. docker "
+                        "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
+                finally:
+                    os.close(fd)
             buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
             self._maps[slot] = buf
-            self._pinned.discard(slot)
         return buf
+
+    def _unmap(self, slot: int) -> None:
+        buf = self._maps.pop(slot, None)
+        if buf is not None and slot in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._pinned.discard(slot)
+
+    def release(self) -> None:
+        """Drop every mapping (and its pinned registration)."""
+        for slot in list(self._maps):
+            self._unmap(slot)
+
+    def invalidate_newer_than(self, step: int) -> None:
+        """Forget snapshots newer than `step`: after restoring `step`, they belong to a
+        run that will not continue and must never be combined with the new one."""
+        for slot, header in self.headers().items():
+            if header.step > step:
+                self.header_path(slot).unlink(missing_ok=True)
 
     def _pin(self, slot: int, buf: torch.Tensor) -> None:
         """Register a slot's mapping with CUDA once, so device-to-host copies into it
@@ -152,7 +180,8 @@ class SnapshotStore:
         return out
 
     def write(self, slot: int, step: int, tensors: dict[str, torch.Tensor],
-              meta: dict[str, Any], ready: Any = None) -> SnapshotHeader:
+              meta: dict[str, Any], ready: Any = None,
+              sizing: dict[str, torch.Tensor] | None = None) -> SnapshotHeader:
         """Copy `tensors` into `slot` and publish its header. Blocks until done.
 
         GPU tensors are copied on a side stream that first waits for `ready` (a CUDA
@@ -161,8 +190,10 @@ class SnapshotStore:
         DMA that overlaps the next forward and backward.
         """
         self.header_path(slot).unlink(missing_ok=True)  # the slot is now incomplete
-        offsets, size = _layout(tensors)
-        buf = self._map(slot, size)
+        # Laid out for the whole state (`sizing`), so that partial snapshots of different
+        # experts reuse the slot as it is instead of resizing it.
+        offsets, size = _layout(sizing if sizing is not None else tensors)
+        buf = self._map(slot, size, allocate=True)
         on_gpu = any(t.is_cuda for t in tensors.values())
         if on_gpu:
             self._pin(slot, buf)
@@ -222,7 +253,8 @@ class SnapshotHandle:
 
     def __init__(self, store: SnapshotStore, slot: int, step: int,
                  tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                 on_done: Callable[[SnapshotHeader], None] | None = None) -> None:
+                 on_done: Callable[[SnapshotHeader], None] | None = None,
+                 sizing: dict[str, torch.Tensor] | None = None) -> None:
         self.slot, self.step = slot, step
         self.seconds = 0.0
         self._error: BaseException | None = None
@@ -238,7 +270,7 @@ class SnapshotHandle:
             _lower_priority()
             t0 = time.perf_counter()
             try:
-                self.header = store.write(slot, step, tensors, meta, ready)
+                self.header = store.write(slot, step, tensors, meta, ready, sizing)
                 self.seconds = time.perf_counter() - t0
                 if on_done is not None:
                     on_done(self.header)

@@ -58,6 +58,9 @@ from moc.checkpoint.tokens import PLTReport
 
 PERSIST_POLICIES = ("skip", "wait")
 PERSIST_GONE = "the persist process exited; checkpoints are kept in memory only"
+PERSIST_TIMEOUT_S = 600.0
+"""How long rank 0 waits for a persist that must finish (wait policy, flush, close)
+before declaring the persist process hung; longer than writing any sane checkpoint."""
 
 
 @dataclass
@@ -154,10 +157,15 @@ class TwoLevelCheckpointer(Checkpointer):
         the one in flight when `block`) into `_done`, to be shared at the next save."""
         while self._persist_step is not None and (block or self._conn.poll()):
             try:
-                msg = self._conn.recv()  # blocks until the running persist reports
-            except (EOFError, OSError):
+                # Blocks until the running persist reports, for PERSIST_TIMEOUT_S at most.
+                if not self._conn.poll(PERSIST_TIMEOUT_S):
+                    raise TimeoutError
+                msg = self._conn.recv()
+            except (EOFError, OSError):  # TimeoutError is an OSError
                 msg = ("done", self._persist_step, False, PERSIST_GONE, 0.0, None)
                 self._persist_alive = False
+                if self._process is not None:
+                    self._process.kill()  # hung (a stuck disk): never let it commit late
             self._done.append(msg)
             self._record_persist(msg)
             if msg[1] == self._persist_step:
@@ -249,7 +257,7 @@ class TwoLevelCheckpointer(Checkpointer):
         snapshot = self._snapshot_keys(state, snapshot_experts, set(write))
         meta = {"extra": extra_state or {}, "ledger": self.ledger.to_json(), "k": self.k,
                 "lost_base": self._lost_base.tolist(), "snap_index": self._snap_index,
-                "k_snapshot": self.k_snapshot,
+                "k_snapshot": self.k_snapshot, "model": self.model_meta,
                 "layout": {"world_size": g.world_size, "ep": g.layout.ep}}
         record.k_snapshot = self.k_snapshot
         record.k_snapshot_chosen, self.k_snapshot_chosen = self.k_snapshot_chosen, None
@@ -262,7 +270,8 @@ class TwoLevelCheckpointer(Checkpointer):
                 with contextlib.suppress(OSError):
                     self._send(("ready", g.rank, step, slot, write, held))
 
-        self._handle = SnapshotHandle(self.store, slot, step, snapshot, meta, on_done=on_done)
+        self._handle = SnapshotHandle(self.store, slot, step, snapshot, meta, on_done=on_done,
+                                      sizing=state)
         if persist_now:
             self._persist_slot, self._persist_step_of_slot = slot, step
             self._persist_step = step
@@ -382,8 +391,12 @@ class TwoLevelCheckpointer(Checkpointer):
         storage = _broadcast(complete_steps(self.root), g)
         newest_storage = storage[-1] if storage else None
         layout = {"world_size": g.world_size, "ep": g.layout.ep}
+        if not self.root.exists():
+            # The checkpoint directory is gone (a fresh start was asked for): snapshots
+            # left in memory by an earlier run of it must not be resumed.
+            self.store.invalidate_newer_than(-1)
         headers = {slot: h for slot, h in self.store.headers().items()
-                   if h.meta.get("layout") == layout}
+                   if h.meta.get("layout") == layout and h.meta.get("model") == self.model_meta}
         mine = {h.step: slot for slot, h in headers.items()}
         everyone = [set(m) for m in _all_gather(sorted(mine), g.side_group, g)]
         candidates = set().union(*everyone)
@@ -402,7 +415,7 @@ class TwoLevelCheckpointer(Checkpointer):
                     copies = {k: (e.step, "storage")
                               for k, e in reader.manifest.entries.items()}
                 load_rank_state(reader, self.model, self.optimizer, self.spec, g.rank)
-            except CheckpointError as e:
+            except Exception as e:  # any failure here is agreed on, never left to one rank
                 status = f"failed: {e}"
             statuses = _all_gather(status, g.side_group, g)
             if all(st in ("memory", "storage") for st in statuses):
@@ -411,10 +424,13 @@ class TwoLevelCheckpointer(Checkpointer):
                 source = "memory" if "storage" not in statuses else "mixed"
                 meta = _broadcast_from(headers[mine[step]].meta if step in mine else None,
                                        statuses.index("memory"), g)
+                self.store.invalidate_newer_than(step)
                 return self._from_memory(step, mine.get(step), meta, headers, copies,
                                          time.perf_counter() - t0, newest_storage, source)
         self._newest_slot = self._persist_slot = None
-        return super().restore()
+        report = super().restore()
+        self.store.invalidate_newer_than(report.step if report is not None else -1)
+        return report
 
     @torch.no_grad()
     def _align_expert_replicas(self, statuses: list[str]) -> None:
@@ -527,14 +543,21 @@ class TwoLevelCheckpointer(Checkpointer):
         self.flush()
         if g.distributed:
             dist.barrier(group=g.side_group)
-        if g.rank == 0:
-            with contextlib.suppress(OSError):
-                self._send(("stop",))
-            if self._process is not None:
-                self._process.wait(timeout=60)
-            if not keep_snapshots:
+        try:
+            if g.rank == 0:
+                with contextlib.suppress(OSError):
+                    self._send(("stop",))
+                if self._process is not None:
+                    try:
+                        self._process.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        self._process.kill()
+                        self._process.wait()
+        finally:
+            self.store.release()
+            self._conn.close()
+            if g.rank == 0 and not keep_snapshots:
                 remove_job(self.job)
-        self._conn.close()
         super().close()
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from moc.checkpoint.selection import PECPolicy
 from moc.checkpoint.snapshot import job_dir
-from moc.checkpoint.storage import complete_steps
+from moc.checkpoint.storage import complete_steps, step_dir
 from moc.checkpoint.tools import verify_checkpoints
 from moc.checkpoint.twolevel import TwoLevelCheckpointer
 from moc.model import ModelConfig, Transformer
@@ -171,3 +173,48 @@ def test_auto_k_snapshot_measures_the_first_copy_and_chooses(tmp_path):
     assert 2 <= choice["k_snapshot"] <= 8
     assert choice["window_s"] > 0 and choice["copy_Bps"] > 0
     assert records[-1].k_snapshot == choice["k_snapshot"]
+
+
+def test_snapshots_newer_than_the_restored_step_are_forgotten(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    _train(model, opt, ckpt, 7)
+    ckpt.close(keep_snapshots=True)
+    store = ckpt.store
+    (slot7,) = [s for s, h in store.headers().items() if h.step == 7]
+    raw = bytearray(store.bin_path(slot7).read_bytes())
+    raw[100] ^= 0xFF  # step 7's snapshot no longer verifies, and its persisted copy
+    store.bin_path(slot7).write_bytes(bytes(raw))  # is gone too
+    shutil.rmtree(step_dir(root, 7))
+    resumed = TwoLevelCheckpointer(*_build(1), root)
+    report = resumed.restore()
+    assert (report.step, report.source) == (6, "memory")
+    assert max(h.step for h in resumed.store.headers().values()) == 6
+    resumed.close()
+
+
+def test_snapshots_of_another_model_are_not_resumed(tmp_path):
+    from moc.checkpoint.errors import IncompatibleCheckpointError
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, model_meta={"config": "a"})
+    _train(model, opt, ckpt, 2)
+    ckpt.close(keep_snapshots=True)
+    other = TwoLevelCheckpointer(*_build(1), root, model_meta={"config": "b"})
+    with pytest.raises(IncompatibleCheckpointError, match="config: checkpoint 'a' vs now 'b'"):
+        other.restore()
+    other.close()
+
+
+def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
+    from moc.checkpoint.errors import CheckpointError
+    from moc.checkpoint.snapshot import SnapshotStore
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", no_space)
+    with pytest.raises(CheckpointError, match=r"cannot reserve .* shared memory"):
+        SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(1000)}, {})
