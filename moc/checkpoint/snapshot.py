@@ -281,9 +281,6 @@ class SnapshotHandle:
         self._thread = threading.Thread(target=run, name=f"moc-snapshot-{step}", daemon=True)
         self._thread.start()
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def wait(self) -> SnapshotHeader:
         """Blocks until the copy is complete; raises what the copy raised."""
         self._thread.join()

@@ -124,11 +124,6 @@ class ExpertSpec:
                              "'experts'); build the spec with ExpertSpec.from_modules")
         return cls.from_modules(model, modules, n_experts=n_experts, expert_offset=expert_offset)
 
-    @classmethod
-    def from_model(cls, model: nn.Module) -> ExpertSpec:
-        """For moc's reference model (alias of `infer`)."""
-        return cls.infer(model)
-
     def by_name(self) -> dict[str, ExpertParam]:
         return {p.name: p for p in self.params}
 

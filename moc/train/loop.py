@@ -95,7 +95,6 @@ class RunResult:
     final_loss: float
     val_loss: float
     wall_s: float
-    losses: dict[int, float] = field(default_factory=dict)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     """The checkpoint events of this attempt."""
     resumed_from: int | None = None
@@ -231,7 +230,6 @@ class Trainer:
                      if self.checkpointer is not None else None)
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
-            result.losses[self.step] = loss
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                               tokens=tokens, lr=cfg.lr_at(self.step))
             note = ""
