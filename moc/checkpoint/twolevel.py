@@ -210,6 +210,11 @@ class TwoLevelCheckpointer(Checkpointer):
         if self._retention is not None:
             self._retention.request()
 
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint is still being taken or persisted."""
+        return bool(self._records)
+
     def drain_completed(self) -> list[CheckpointRecord]:
         """Checkpoints whose snapshot is taken and whose persist has finished or was
         skipped. Rank 0 hears of persists; the other ranks report snapshots only."""

@@ -226,8 +226,9 @@ class Trainer:
             maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
-            stats = (self.checkpointer.maybe_save(self.step, self.extra_state())
-                     if self.checkpointer is not None else None)
+            # Nothing checkpoint-related is built on steps that do not checkpoint.
+            due = self.checkpointer is not None and self.step % cfg.ckpt_interval == 0
+            stats = self.checkpointer.save(self.step, self.extra_state()) if due else None
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
@@ -235,7 +236,7 @@ class Trainer:
             note = ""
             if isinstance(stats, SaveStats):
                 note = self._report(result, _save_event(stats), progress)
-            elif isinstance(self.checkpointer, TwoLevelCheckpointer):
+            elif isinstance(self.checkpointer, TwoLevelCheckpointer) and self.checkpointer.pending:
                 for rec in self.checkpointer.drain_completed():
                     if rec.k_snapshot_chosen:
                         self.metrics.emit("k_snapshot", step=rec.step,
