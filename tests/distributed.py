@@ -14,6 +14,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moc.model import ModelConfig, Transformer
+from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
+
+TINY = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+"""A model small enough for many ranks on two cores, with real experts to shard."""
+
+
+def build_sharded(ep: int, cfg: ModelConfig = TINY
+                  ) -> tuple[ParallelGroups, Transformer, ShardedAdamW]:
+    """Inside a rank: the same seeded model on every rank, this rank's experts kept,
+    sharded AdamW. Collective (creates the process groups)."""
+    groups = ParallelGroups.from_world(ep, cfg.n_experts)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    shard_experts(model, groups)
+    return groups, model, ShardedAdamW(model, groups, lr=1e-2)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -8,19 +8,11 @@ import torch
 from moc.checkpoint.checkpointer import Checkpointer
 from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.selection import PECPolicy
-from moc.model import ModelConfig, Transformer
-from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
-from tests.distributed import run_ranks
-
-CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+from tests.distributed import build_sharded, run_ranks
 
 
 def _save_load_aware(rank: int, world: int, root: str, sharded: bool) -> dict:
-    groups = ParallelGroups.from_world(2, CFG.n_experts)
-    torch.manual_seed(0)
-    model = Transformer(CFG)
-    shard_experts(model, groups)
-    opt = ShardedAdamW(model, groups, lr=1e-2)
+    groups, model, opt = build_sharded(2)
     ckpt = Checkpointer(model, opt, root, groups=groups, interval=1, sharded=sharded,
                         policy=PECPolicy(k=1, selection="load-aware"))
     ckpt.save(0)
@@ -53,12 +45,8 @@ def test_load_aware_selection_is_identical_on_every_rank(tmp_path, sharded):
 def _one_rank_fails(rank: int, world: int, root: str) -> list[object]:
     import moc.checkpoint.checkpointer as engine
 
-    groups = ParallelGroups.from_world(2, CFG.n_experts)
-    torch.manual_seed(0)
-    model = Transformer(CFG)
-    shard_experts(model, groups)
-    ckpt = Checkpointer(model, ShardedAdamW(model, groups, lr=1e-2), root, groups=groups,
-                        interval=1, policy=PECPolicy(k=1))
+    groups, model, opt = build_sharded(2)
+    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1, policy=PECPolicy(k=1))
     results: list[object] = [ckpt.save(1).ok]
     real_write = engine.write_safetensors
     if rank == 1:

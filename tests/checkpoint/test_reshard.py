@@ -9,25 +9,9 @@ from moc.checkpoint.checkpointer import Checkpointer
 from moc.checkpoint.errors import IncompatibleCheckpointError
 from moc.checkpoint.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec, flatten_optimizer, flatten_params
-from moc.model import ModelConfig, Transformer
-from moc.parallel import (
-    ParallelGroups,
-    ShardedAdamW,
-    clip_grad_norm_,
-    shard_experts,
-    sync_gradients,
-)
-from tests.distributed import run_ranks
-
-CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
-
-
-def _build(ep: int, cfg: ModelConfig = CFG):
-    groups = ParallelGroups.from_world(ep, cfg.n_experts)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    shard_experts(model, groups)
-    return groups, model, ShardedAdamW(model, groups, lr=1e-2)
+from moc.model import ModelConfig
+from moc.parallel import clip_grad_norm_, sync_gradients
+from tests.distributed import build_sharded, run_ranks
 
 
 def _global_state(model, opt) -> dict[str, torch.Tensor]:
@@ -38,7 +22,7 @@ def _global_state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def _save(rank: int, world: int, ep: int, root: str) -> dict[str, torch.Tensor]:
-    groups, model, opt = _build(ep)
+    groups, model, opt = build_sharded(ep)
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
         idx = torch.randint(0, 256, (2, 8), generator=g)
@@ -53,7 +37,7 @@ def _save(rank: int, world: int, ep: int, root: str) -> dict[str, torch.Tensor]:
 
 
 def _restore(rank: int, world: int, ep: int, root: str) -> dict[str, torch.Tensor]:
-    groups, model, opt = _build(ep)
+    groups, model, opt = build_sharded(ep)
     report = Checkpointer(model, opt, root, groups=groups, policy=PECPolicy.full()).restore()
     assert report.step == 3
     return _global_state(model, opt)
@@ -83,7 +67,7 @@ def test_restore_on_another_world_size_and_ep_gives_back_the_saved_state(
 
 def _restore_other_model(rank: int, world: int, root: str) -> str:
     other = ModelConfig(seq_len=8, d_model=24, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
-    groups, model, opt = _build(1, other)
+    groups, model, opt = build_sharded(1, other)
     try:
         Checkpointer(model, opt, root, groups=groups).restore()
     except IncompatibleCheckpointError as e:

@@ -10,17 +10,8 @@ import torch
 from moc.checkpoint.selection import PECPolicy
 from moc.checkpoint.snapshot import default_job_id, job_dir
 from moc.checkpoint.twolevel import TwoLevelCheckpointer
-from moc.model import ModelConfig, Transformer
-from moc.parallel import (
-    ParallelGroups,
-    ShardedAdamW,
-    clip_grad_norm_,
-    shard_experts,
-    sync_gradients,
-)
-from tests.distributed import run_ranks
-
-CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+from moc.parallel import clip_grad_norm_, sync_gradients
+from tests.distributed import build_sharded, run_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -28,16 +19,8 @@ def shm(tmp_path, monkeypatch):
     monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))  # inherited by the ranks
 
 
-def _build():
-    groups = ParallelGroups.from_world(1, CFG.n_experts)  # ep = 1: every expert replicated
-    torch.manual_seed(0)
-    model = Transformer(CFG)
-    shard_experts(model, groups)
-    return groups, model, ShardedAdamW(model, groups, lr=1e-2)
-
-
 def _train(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
-    groups, model, opt = _build()
+    groups, model, opt = build_sharded(1)  # every expert replicated
     ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
                                 interval=1, persist_policy="wait")
     for step in range(1, 5):
@@ -57,7 +40,7 @@ def _train(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
 
 
 def _restore(rank: int, world: int, root: str) -> dict:
-    groups, model, opt = _build()
+    groups, model, opt = build_sharded(1)  # every expert replicated
     ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1))
     report = ckpt.restore()
     ckpt.close()
