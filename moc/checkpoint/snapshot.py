@@ -108,6 +108,7 @@ class SnapshotStore:
         self.rank = rank
         self._maps: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
+        self._reserved = -1  # the slot size every free slot has been reserved at
 
     def bin_path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot}.bin"
@@ -218,7 +219,22 @@ class SnapshotStore:
         tmp = self.header_path(slot).with_suffix(".json.tmp")
         tmp.write_text(header.to_json())
         tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
+        self._reserve_free_slots(size)
         return header
+
+    def _reserve_free_slots(self, size: int) -> None:
+        """Reserve every other slot at this size once, right after the first copy: a
+        node short of shared memory then fails at the first checkpoint, not hours later
+        when a slow persist first needs the third slot, and later snapshots never pay
+        for allocation. A slot holding a complete snapshot (a recovery source) is left
+        as it is."""
+        if self._reserved == size:
+            return
+        headers = self.headers()
+        for slot in range(N_SLOTS):
+            if slot not in headers:
+                self._map(slot, size, allocate=True)
+        self._reserved = size
 
     def read(self, slot: int, header: SnapshotHeader, verify: bool = True
              ) -> dict[str, torch.Tensor]:

@@ -40,6 +40,18 @@ def test_snapshot_round_trips_every_dtype_and_reuses_its_mapping():
     assert store._maps[0] is first  # warm: no new allocation
 
 
+def test_the_first_copy_reserves_every_free_slot_but_leaves_a_snapshot_alone():
+    old = SnapshotStore("job", rank=0)
+    old.write(2, 5, {"x": torch.arange(3)}, {})  # a recovery source of another size
+    old_bytes = old.bin_path(2).read_bytes()
+    store = SnapshotStore("job", rank=0)
+    store.write(0, 10, _state(), {})
+    size = store.bin_path(0).stat().st_size
+    assert store.bin_path(1).stat().st_size == size  # reserved up front, not when needed
+    assert store.bin_path(2).read_bytes() == old_bytes and 2 in store.headers()
+    assert 1 not in store.headers()  # reserved is not complete
+
+
 def test_a_slot_is_not_a_snapshot_until_its_header_is_written(monkeypatch):
     store = SnapshotStore("job", rank=0)
     store.write(1, 10, _state(), {})
