@@ -1,9 +1,10 @@
 """`moc` command line: train (launches torchrun itself), demo (the main job), inspect and
-verify (checkpoint directories), bench (measurements)."""
+verify (checkpoint directories), bench (measurements), simulate (the overhead model)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import statistics
@@ -28,12 +29,29 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     ParallelLayout(nproc, cfg.resolve_ep(nproc), cfg.model.n_experts)
-    if cfg.fault_at is not None and cfg.fault_rank >= nproc:
+    if (cfg.fault_at is not None or cfg.fault_every is not None) and cfg.fault_rank >= nproc:
         raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with --nproc {nproc}")
     Corpus.load(cfg.data, cfg.model.seq_len)
     if cfg.ckpt_dir is not None:
-        steps = complete_steps(Path(cfg.ckpt_dir))
-        if steps:
+        from moc.checkpoint.dcp_baseline import DCP_MODES, check_dcp_step, complete_dcp_steps
+
+        root = Path(cfg.ckpt_dir)
+        steps, dcp_steps = complete_steps(root), complete_dcp_steps(root)
+        dcp = cfg.ckpt_mode in DCP_MODES
+        # Each kind of checkpointer sees only its own steps: given the other kind's, a
+        # run would silently start over.
+        if cfg.ckpt_mode != "none" and (steps if dcp else dcp_steps):
+            raise ValueError(f"--ckpt-dir {root} holds {'moc' if dcp else 'DCP'} checkpoints, "
+                             f"which --ckpt-mode {cfg.ckpt_mode} cannot resume; use another "
+                             "--ckpt-dir")
+        if dcp and dcp_steps:
+            try:
+                check_dcp_step(root, dcp_steps[-1], cfg.model.to_dict())
+            except CheckpointError:
+                raise
+            except Exception:
+                pass  # an unreadable step: restore skips it for an older one
+        elif steps:
             Manifest.load(Path(cfg.ckpt_dir), steps[-1]).check_model(
                 cfg.model.to_dict(), f"checkpoint {cfg.ckpt_dir}/step-{steps[-1]:08d}")
 
@@ -122,16 +140,23 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="re-check every checksum and file size; exit 1 "
                             "if anything is corrupt or missing")
     verify.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
-    bench = sub.add_parser("bench", help="benchmarks: `moc bench {size,overhead} --help`",
-                           add_help=False)
-    bench.add_argument("what", choices=["size", "overhead"])
+    bench = sub.add_parser("bench", add_help=False,
+                           help="benchmarks: `moc bench {size,overhead,accuracy} --help`")
+    bench.add_argument("what", choices=["size", "overhead", "accuracy"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    simulate = sub.add_parser("simulate", add_help=False,
+                              help="effective training time and the best checkpoint "
+                                   "interval from measured costs: `moc simulate --help`")
+    simulate.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        # A leading REMAINDER positional would swallow nothing that starts with "--".
+        argv = ["simulate", "--", *argv[1:]]
     args = parser.parse_args(argv)
     try:
-        if args.command == "bench":
-            from moc.bench import overhead, size
-
-            return {"size": size, "overhead": overhead}[args.what].main(args.rest)
+        if args.command in ("bench", "simulate"):
+            what = "simulate" if args.command == "simulate" else args.what
+            return importlib.import_module(f"moc.bench.{what}").main(args.rest)
         if args.command == "train":
             return launch(args, train)
         if args.command == "demo":

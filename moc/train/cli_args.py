@@ -29,7 +29,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
     p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="moc",
                    help="moc (default): PEC + sharding + two levels; pec: synchronous PEC; "
-                        "blocking: the Megatron-DeepSpeed baseline; none")
+                        "blocking: the Megatron-DeepSpeed baseline; dcp-sync, dcp-async: "
+                        "the PyTorch DCP baselines (dcp.save; dcp.async_save with a "
+                        "checkpoint process); none")
     p.add_argument("--persist-policy", choices=["skip", "wait"], default="skip",
                    help="moc: a checkpoint during a running persist skips persisting "
                         "(default) or waits for it")
@@ -53,6 +55,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--metrics", help="append JSON-lines events to this file (rank 0)")
     p.add_argument("--fault-at", type=int, help="SIGKILL --fault-rank at this step "
                                                "(first attempt only)")
+    p.add_argument("--fault-every", type=int, help="SIGKILL --fault-rank at every multiple "
+                   "of this many steps (needs --max-restarts of at least steps / F)")
     p.add_argument("--fault-rank", type=int, default=0)
     p.add_argument("--fault-kind", choices=["process", "node"], default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss)")
@@ -85,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
         lr=args.lr, data=args.data, ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
         ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
-        fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
+        fault_every=args.fault_every, fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,

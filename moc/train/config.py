@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-CKPT_MODES = ("none", "blocking", "pec", "moc")
+CKPT_MODES = ("none", "blocking", "pec", "moc", "dcp-sync", "dcp-async")
 FAULT_KINDS = ("process", "node")
 
 
@@ -68,7 +68,9 @@ class TrainConfig:
     ckpt_mode: str = "moc"
     """none; blocking (the Megatron-DeepSpeed baseline: every expert, rank 0 and EP group
     0 write, training waits); pec (partial experts checkpointing, sharded, synchronous);
-    moc (pec + a complete snapshot in shared memory + a background persist process)."""
+    moc (pec + a complete snapshot in shared memory + a background persist process);
+    dcp-sync and dcp-async (the PyTorch DCP baselines: dcp.save, and dcp.async_save with
+    the process executor and DefaultStager; every expert, every checkpoint)."""
     persist_policy: str = "skip"
     """moc: when a checkpoint comes while the previous persist runs: skip or wait."""
     k_snapshot: int | str = "all"
@@ -93,6 +95,9 @@ class TrainConfig:
     """JSON-lines file that rank 0 appends events to."""
     fault_at: int | None = None
     """Kill `fault_rank` with SIGKILL when it reaches this step (first attempt only)."""
+    fault_every: int | None = None
+    """Kill `fault_rank` with SIGKILL at every multiple of this many steps (the first
+    attempt at step F, the restart after it at 2F, ...): a run with recurring faults."""
     fault_rank: int = 0
     fault_kind: str = "process"
     """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots."""
@@ -117,6 +122,10 @@ class TrainConfig:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
         if self.fault_at is not None and not 1 <= self.fault_at <= self.steps:
             raise ValueError(f"--fault-at must be a step in 1..{self.steps}, got {self.fault_at}")
+        if self.fault_every is not None and self.fault_every < 1:
+            raise ValueError(f"--fault-every must be >= 1, got {self.fault_every}")
+        if self.fault_every is not None and self.fault_at is not None:
+            raise ValueError("--fault-at and --fault-every exclude each other: give one")
         if self.fault_kind not in FAULT_KINDS:
             raise ValueError(f"--fault-kind must be one of {', '.join(FAULT_KINDS)}, "
                              f"got {self.fault_kind!r}")

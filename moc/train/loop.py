@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moc.checkpoint.checkpointer import Checkpointer, SaveStats
+from moc.checkpoint.dcp_baseline import DCP_MODES, DCPCheckpointer
 from moc.checkpoint.plan import imbalance
 from moc.checkpoint.selection import PECPolicy
 from moc.checkpoint.snapshot import remove_job
@@ -70,11 +71,20 @@ def restart_count() -> int:
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
                        checkpointer: object) -> None:
-    """SIGKILL this process at `--fault-at` on `--fault-rank`, on the first attempt only:
-    a restarted job must get past the step that killed it. A node fault also wipes the
-    node's shared-memory snapshots, as losing the machine would."""
-    if cfg.fault_at == step and cfg.fault_rank == rank and restart_count() == 0:
-        metrics.emit("fault", step=step, rank=rank, kind=cfg.fault_kind)
+    """SIGKILL this process on `--fault-rank` at `--fault-at` on the first attempt only
+    (a restarted job must get past the step that killed it), or with `--fault-every F` at
+    step (r + 1) F on attempt r: each restart resumes before its attempt's fault step and
+    meets the next one F steps later. A node fault also wipes the node's shared-memory
+    snapshots, as losing the machine would."""
+    if cfg.fault_every is not None:
+        due = step == (restart_count() + 1) * cfg.fault_every
+    else:
+        due = cfg.fault_at == step and restart_count() == 0
+    if not due:
+        return
+    # Logged by rank 0 (the only metrics writer) whichever rank the fault kills.
+    metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
+    if cfg.fault_rank == rank:
         metrics.close()
         if cfg.fault_kind == "node" and isinstance(checkpointer, TwoLevelCheckpointer):
             remove_job(checkpointer.job)
@@ -109,7 +119,7 @@ class Trainer:
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
         self.rank = self.groups.rank
         self.is_main = self.rank == 0
-        if cfg.fault_at is not None and cfg.fault_rank >= world:
+        if (cfg.fault_at is not None or cfg.fault_every is not None) and cfg.fault_rank >= world:
             raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with {world} ranks")
 
         torch.manual_seed(cfg.seed)
@@ -128,6 +138,11 @@ class Trainer:
                 policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
                 model_meta=self.model_meta(), persist_policy=cfg.persist_policy,
                 k_snapshot=cfg.k_snapshot)
+        elif cfg.ckpt_dir is not None and cfg.ckpt_mode in DCP_MODES:
+            self.checkpointer = DCPCheckpointer(
+                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
+                mode=cfg.ckpt_mode, interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
+                model_meta=self.model_meta())
         elif cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
             self.checkpointer = Checkpointer(
                 self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
@@ -236,7 +251,7 @@ class Trainer:
             note = ""
             if isinstance(stats, SaveStats):
                 note = self._report(result, _save_event(stats), progress)
-            elif isinstance(self.checkpointer, TwoLevelCheckpointer) and self.checkpointer.pending:
+            elif _asynchronous(self.checkpointer) and self.checkpointer.pending:
                 for rec in self.checkpointer.drain_completed():
                     if rec.k_snapshot_chosen:
                         self.metrics.emit("k_snapshot", step=rec.step,
@@ -244,12 +259,12 @@ class Trainer:
                                           window_s=rec.k_snapshot_chosen["window_s"],
                                           copy_Bps=rec.k_snapshot_chosen["copy_Bps"])
                         progress.message(f"K_snapshot = {rec.k_snapshot} (auto)")
-                    note = self._report(result, _record_event(rec), progress)
+                    note = self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
             progress.update(self.step, loss, note)
-        if isinstance(self.checkpointer, TwoLevelCheckpointer):
+        if _asynchronous(self.checkpointer):
             self.checkpointer.flush()
             for rec in self.checkpointer.drain_completed():
-                self._report(result, _record_event(rec), progress)
+                self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
         self.model.eval()
         result.final_loss = loss
         result.val_loss = self.validate()
@@ -312,12 +327,19 @@ def _save_event(stats: SaveStats) -> dict[str, Any]:
             "error": stats.error}
 
 
-def _record_event(rec: CheckpointRecord) -> dict[str, Any]:
-    """The checkpoint event of a two-level checkpoint, once its persist is done."""
+def _asynchronous(checkpointer: object) -> bool:
+    """Whether saves finish in the background and report through `drain_completed()`
+    (moc's two-level checkpointer, the DCP baselines)."""
+    return hasattr(checkpointer, "drain_completed")
+
+
+def _record_event(rec: CheckpointRecord, mode: str) -> dict[str, Any]:
+    """The checkpoint event of an asynchronous checkpoint (moc, dcp-async), once its
+    persist is done."""
     per_rank = rec.bytes_per_rank or []
     return {"step": rec.step, "stall_s": rec.stall_s, "bytes": sum(per_rank),
             "bytes_per_rank": per_rank, "imbalance": imbalance(per_rank) if per_rank else None,
-            "mode": "moc", "k": rec.k, "experts_saved": rec.experts_saved,
+            "mode": mode, "k": rec.k, "experts_saved": rec.experts_saved,
             "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s,
             "k_snapshot": rec.k_snapshot,
             "persist_skipped": rec.persist_skipped, "error": rec.error}

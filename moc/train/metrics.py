@@ -22,7 +22,8 @@ class MetricsWriter:
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        # "time": wall-clock seconds, so runs that span restarts can be timed end to end.
+        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -136,12 +136,21 @@ def test_checkpoint_of_another_model_config_is_a_one_line_error(runs):
     assert "different model" in r.stderr and "n_experts: checkpoint 4 vs now 8" in r.stderr
 
 
+def test_recurring_faults_each_restart_meets_the_next_one(tmp_path):
+    events = _train(tmp_path, "--ckpt-mode", "pec", "--k-persist", "1", "--fault-every", "7",
+                    "--fault-rank", "1", "--max-restarts", "2", interval=5)
+    assert [e["step"] for e in events if e["event"] == "fault"] == [7, 14]
+    assert [e["resumed_from"] for e in events if e["event"] == "recovery"] == [5, 10]
+    assert [e["steps"] for e in events if e["event"] == "summary"] == [20]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--nproc", "2", "--ep", "3"], "ep=3 must divide the number of ranks (2)"),
     (["--nproc", "3", "--ep", "3"], "ep=3 must divide the expert count (4)"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--fault-at", "5", "--fault-rank", "7"], "--fault-rank 7 does not exist"),
+    (["--fault-at", "5", "--fault-every", "5"], "--fault-at and --fault-every exclude"),
 ])
 def test_bad_input_gets_a_one_line_error(args, message):
     r = moc("train", *args)
