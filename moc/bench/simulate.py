@@ -1,0 +1,569 @@
+"""`moc simulate`: effective training time (ETTR) and the best checkpoint interval of each
+strategy, from the costs `moc bench overhead --json FILE` measured.
+
+The model (first order, the one behind Young/Daly's interval; docs/SIMULATE.md):
+
+    T  step time without checkpoints          (the `none` strategy's mean step time)
+    C  extra training time one checkpoint costs
+         = (strategy's mean step time - none's) x the bench's interval, never below the
+           strategy's median stall (captures the stall and the CPU a background copy steals)
+    R  cost of one restart = a fixed restart time (notice the fault, restart processes)
+                           + the restore time (from memory for a process fault when the
+                             strategy keeps snapshots in memory, from storage otherwise)
+    λ  failure rate = nodes / MTBF per node (faults arrive as a Poisson process)
+
+    With a checkpoint every I steps, one interval takes W = I T + C. Each failure costs R
+    plus, on average, half an interval of lost work W / 2 (the same for every strategy:
+    a strategy that recovers exactly from memory still loses the steps since its newest
+    snapshot). Hence
+
+        ETTR(I) = (I T / W) * max(0, 1 - λ (R + W / 2))
+
+    ETTR is concave in W, maximal at W* = sqrt(2 C (1 - λ R) / λ); the best integer
+    interval is the better of floor and ceil of (W* - C) / T. Young/Daly's interval
+    sqrt(2 C / λ) / T is printed beside it for reference (the two agree when λ R and
+    C / W are small).
+
+`--validate` checks how the measured components combine on real `moc train` runs with
+deterministic faults (a SIGKILL every F steps); see `validate` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OVERHEAD = Path("docs/bench-overhead.json")
+
+DEFAULT_NODES = 2048
+"""Llama 3 405B's pre-training cluster: 16,384 H100s, 8 per server ("The Llama 3 Herd of
+Models", Meta 2024)."""
+
+DEFAULT_MTBF_HOURS = 6335.0
+"""MTBF per node of that cluster: 419 unexpected interruptions in a 54-day snapshot on
+2,048 nodes, 54 x 24 h x 2048 / 419 = 6335 h (one job failure every ~3.1 h)."""
+
+DEFAULT_RESTART_S = 5.0
+"""Time to notice a fault and restart the job, restore excluded: about what a torchrun
+restart of 2 CPU ranks of the tiny model took on the 2-core VM (`moc simulate
+--validate` measured 3.0-3.8 s for blocking and 4.5-5.1 s for moc in its quieter runs,
+up to 8.6 s under load; docs/SIMULATE.md). A GPU cluster's restart (rescheduling, NCCL
+setup, loading the job) takes minutes: pass --restart-s for it."""
+
+VALIDATE_STEPS = 100
+VALIDATE_INTERVAL = 10
+VALIDATE_FAULT_EVERY = 35
+"""Faults at steps 35 and 70 of 100: one loses 4 steps since the checkpoint at 30, one
+loses 9 since the checkpoint at 60 (a fault at step s kills before step s runs)."""
+VALIDATE_TIMEOUT_S = 600
+"""Per training run: a hung restart must not hold the command forever."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one strategy costs, in seconds: the inputs of the model."""
+
+    name: str
+    step_s: float
+    """T: a training step without checkpoints."""
+    ckpt_s: float
+    """C: the extra training time one checkpoint costs."""
+    restart_s: float
+    """The fixed part of R: noticing the fault and restarting processes."""
+    restore_s: float
+    """The restore part of R."""
+    restore_from: str
+    """"memory" or "storage": where the restore reads."""
+
+    def __post_init__(self) -> None:
+        if not self.step_s > 0:
+            raise ValueError(f"{self.name}: step time T must be > 0 s, got {self.step_s}")
+        for field_name in ("ckpt_s", "restart_s", "restore_s"):
+            value = getattr(self, field_name)
+            if not value >= 0:
+                raise ValueError(f"{self.name}: {field_name} must be >= 0 s, got {value}")
+
+    @property
+    def recovery_s(self) -> float:
+        """R: everything a failure costs apart from the lost work."""
+        return self.restart_s + self.restore_s
+
+
+def failure_rate(nodes: int, mtbf_hours: float) -> float:
+    """λ in failures per second: any node's failure stops the synchronous job."""
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if not mtbf_hours > 0:
+        raise ValueError(f"--mtbf-hours must be > 0, got {mtbf_hours}")
+    return nodes / (mtbf_hours * 3600.0)
+
+
+def ettr(interval: int, costs: Costs, rate: float) -> float:
+    """Expected fraction of wall time spent on useful steps, a checkpoint every
+    `interval` steps and failures at `rate` per second (module docstring)."""
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1 step, got {interval}")
+    work = interval * costs.step_s
+    w = work + costs.ckpt_s
+    return (work / w) * max(0.0, 1.0 - rate * (costs.recovery_s + w / 2))
+
+
+def best_interval(costs: Costs, rate: float) -> int | None:
+    """The integer interval with the highest ETTR; None when no interval makes progress
+    (a failure comes, on average, before a restart is over).
+
+    ETTR is concave in W = I T + C, so over the integers its maximum lies at the floor or
+    the ceiling of the continuous optimum I* = (W* - C) / T, W* = sqrt(2 C (1 - λ R) / λ);
+    no search over a range that can span millions of steps is needed."""
+    if rate <= 0:
+        raise ValueError(f"the failure rate must be > 0, got {rate}")
+    a = 1.0 - rate * costs.recovery_s
+    if a <= 0:
+        return None
+    w_star = math.sqrt(2.0 * costs.ckpt_s * a / rate)
+    i_star = (w_star - costs.ckpt_s) / costs.step_s
+    candidates = {max(1, math.floor(i_star)), max(1, math.ceil(i_star))}
+    best = max(sorted(candidates), key=lambda i: ettr(i, costs, rate))
+    return best if ettr(best, costs, rate) > 0 else None
+
+
+def young_daly_interval(costs: Costs, rate: float) -> float:
+    """Young/Daly's first-order optimum sqrt(2 C / λ), in steps of T (for reference)."""
+    return math.sqrt(2.0 * costs.ckpt_s / rate) / costs.step_s
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs: the JSON of `moc bench overhead`
+
+
+def load_overhead(path: Path) -> dict[str, Any]:
+    """The bench result at `path`, with the fields the model needs checked."""
+    if not path.is_file():
+        raise ValueError(f"--overhead {path}: no such file; write one with "
+                         f"`moc bench overhead --json {path}`")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--overhead {path}: not JSON ({e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("strategies"), dict):
+        raise ValueError(f"--overhead {path}: expected the JSON `moc bench overhead --json` "
+                         "writes, with a \"strategies\" object")
+    interval = result.get("config", {}).get("interval")
+    if not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"--overhead {path}: config.interval must be a positive integer, "
+                         f"got {interval!r}")
+    if "none" not in result["strategies"]:
+        raise ValueError(f"--overhead {path}: no \"none\" strategy, the step time without "
+                         "checkpoints; rerun `moc bench overhead` with it")
+    return result
+
+
+def _figure(result: dict[str, Any], path: Path, name: str, key: str) -> float:
+    value = result["strategies"][name].get(key)
+    if value is None:
+        raise ValueError(f"--overhead {path}: strategy {name!r} has no {key!r} (missing or "
+                         f"null); rerun `moc bench overhead --strategies none {name}` or "
+                         "leave the strategy out with --strategies")
+    return float(value)
+
+
+def costs_from_overhead(result: dict[str, Any], path: Path, names: list[str], *,
+                        restart_s: float, fault_kind: str, step_time: float | None = None,
+                        scale_costs: bool = False) -> tuple[list[Costs], str]:
+    """The model's inputs for each strategy in `names`, and the basis of the step times
+    ("steady" or "all steps").
+
+    The steady-state means (after the first checkpoints' one-time costs) are used when
+    both `none` and every strategy have them, so that T and C compare like with like.
+    `step_time` replaces T (e.g. a GPU cluster's step); C and the restore times stay as
+    measured unless `scale_costs`, which multiplies them by the ratio of step times (a
+    crude assumption: checkpoint work scales like compute). The restart time never
+    scales."""
+    strategies = result["strategies"]
+    for name in names:
+        if name not in strategies:
+            raise ValueError(f"--overhead {path}: no strategy {name!r}; it has "
+                             f"{', '.join(strategies)}")
+    steady = all(strategies[n].get("mean_step_time_steady_s") is not None
+                 for n in ["none", *names])
+    key = "mean_step_time_steady_s" if steady else "mean_step_time_s"
+    t_ref = _figure(result, path, "none", key)
+    interval = result["config"]["interval"]
+    scale = 1.0
+    if step_time is not None:
+        if not step_time > 0:
+            raise ValueError(f"--step-time must be > 0 s, got {step_time}")
+        scale = step_time / t_ref if scale_costs else 1.0
+    out = []
+    for name in names:
+        mean = _figure(result, path, name, key)
+        stall = strategies[name].get("stall_median_s") or 0.0
+        ckpt = max(stall, (mean - t_ref) * interval, 0.0)
+        memory = strategies[name].get("restore_memory_s")
+        if fault_kind == "process" and memory is not None:
+            restore, source = float(memory), "memory"
+        else:
+            restore, source = _figure(result, path, name, "restore_storage_s"), "storage"
+        out.append(Costs(name, step_time if step_time is not None else t_ref, ckpt * scale,
+                         restart_s, restore * scale, source))
+    return out, "steady" if steady else "all steps"
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs
+
+
+def simulate(costs: list[Costs], rate: float, interval: int) -> dict[str, dict[str, Any]]:
+    """Per strategy: its inputs, the best interval, ETTR there and at `interval`."""
+    out = {}
+    for c in costs:
+        best = best_interval(c, rate)
+        out[c.name] = {**asdict(c), "recovery_s": c.recovery_s, "best_interval": best,
+                       "ettr_best": ettr(best, c, rate) if best is not None else 0.0,
+                       "young_daly_interval": young_daly_interval(c, rate),
+                       "interval": interval, "ettr_at_interval": ettr(interval, c, rate)}
+    return out
+
+
+def markdown(rows: dict[str, dict[str, Any]]) -> str:
+    interval = next(iter(rows.values()))["interval"] if rows else "-"
+    lines = ["| strategy | T | C | R | best I | Young/Daly I | ETTR at best I "
+             f"| ETTR at I = {interval} |",
+             "| --- | " + " | ".join(["---:"] * 7) + " |"]
+    for name, r in rows.items():
+        best = "-" if r["best_interval"] is None else str(r["best_interval"])
+        lines.append(
+            f"| {name} | {r['step_s']:.4f} s | {r['ckpt_s']:.4f} s "
+            f"| {r['recovery_s']:.2f} s ({r['restore_from']}) | {best} "
+            f"| {r['young_daly_interval']:.0f} | {r['ettr_best']:.4f} "
+            f"| {r['ettr_at_interval']:.4f} |")
+    return "\n".join(lines)
+
+
+def write_png(path: Path, costs: list[Costs], rows: dict[str, dict[str, Any]], rate: float,
+              title: str) -> None:
+    """ETTR against the interval (log x), one line per strategy, the best interval marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'moc[plots]' "
+                         "(or matplotlib>=3.7)") from None
+    matplotlib.use("Agg")  # files only: no display on a training node
+    import matplotlib.pyplot as plt
+
+    bests = [r["best_interval"] for r in rows.values() if r["best_interval"]]
+    top = max([10, *(10 * b for b in bests), 10 * next(iter(rows.values()))["interval"]])
+    xs = sorted({max(1, round(10 ** (k * math.log10(top) / 300))) for k in range(301)})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in costs:
+        best = rows[c.name]["best_interval"]
+        # The best interval goes in the legend: marks of close strategies overlap.
+        label = c.name if best is None else (f"{c.name}: best I = {best}, "
+                                             f"ETTR {ettr(best, c, rate):.4f}")
+        line, = ax.plot(xs, [ettr(i, c, rate) for i in xs], label=label)
+        if best is not None:
+            ax.plot([best], [ettr(best, c, rate)], "o", color=line.get_color())
+    interval = next(iter(rows.values()))["interval"]
+    ax.axvline(interval, color="grey", linestyle=":", label=f"I = {interval}")
+    ax.set_xscale("log")
+    ax.set_xlabel("checkpoint interval I (steps)")
+    ax.set_ylabel("ETTR")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation: real runs with deterministic faults
+
+
+def lost_steps(fault_step: int, interval: int) -> int:
+    """Completed steps a fault at `fault_step` throws away: the fault kills a rank before
+    that step runs, so steps up to fault_step - 1 are done and training resumes from the
+    newest checkpoint at or before it."""
+    done = fault_step - 1
+    return done - (done // interval) * interval
+
+
+def span_s(events: list[dict[str, Any]], steps: int) -> float:
+    """Wall time of a run's training: from the start of its first step (the first step
+    event's time minus its step time) to the end of step `steps` in the attempt that
+    finished. Process start-up before step 1 and the validation after the last step are
+    outside, in the measurement and in the prediction alike."""
+    step_events = [e for e in events if e["event"] == "step"]
+    if not step_events or step_events[-1]["step"] != steps:
+        raise RuntimeError(f"the run did not reach step {steps}")
+    first = step_events[0]
+    return step_events[-1]["time"] - (first["time"] - first["step_time_s"])
+
+
+def restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per recovery: the last step done before the fault, the step resumed from and R =
+    the time from the end of that last step to the start of the first step after the
+    recovery (the first step event's time minus its step time). R holds what the model's
+    R holds: the rest of the fault step until the survivors notice, process teardown and
+    restart, initialisation, and the restore."""
+    out = []
+    last_step: dict[str, Any] | None = None
+    pending: dict[str, Any] | None = None
+    for e in events:
+        if e["event"] == "recovery":
+            if last_step is None:
+                raise RuntimeError("a recovery before any step: not a fault mid-run")
+            pending = {"last_step": last_step["step"], "resumed_from": e["resumed_from"],
+                       "source": e["source"], "restore_s": e["recovery_s"],
+                       "t_fault": last_step["time"]}
+        elif e["event"] == "step":
+            if pending is not None:
+                pending["restart_s"] = e["time"] - e["step_time_s"] - pending.pop("t_fault")
+                out.append(pending)
+                pending = None
+            last_step = e
+    return out
+
+
+def predict_faulted_run(steps: int, interval: int, fault_every: int, step_s: float,
+                        ckpt_s: float, restarts_s: list[float]) -> dict[str, Any]:
+    """The model with the run's deterministic faults instead of the random average:
+    steps x T + (checkpoints) x C + sum over faults of (R_i + lost_i x T)."""
+    faults = list(range(fault_every, steps + 1, fault_every))
+    if len(restarts_s) != len(faults):
+        raise RuntimeError(f"expected {len(faults)} recoveries (faults at {faults}), "
+                           f"the run logged {len(restarts_s)}")
+    lost = [lost_steps(f, interval) for f in faults]
+    wall = (steps * step_s + (steps // interval) * ckpt_s
+            + sum(restarts_s) + sum(lost) * step_s)
+    return {"faults": faults, "lost_steps": lost, "wall_s": wall,
+            "ettr": steps * step_s / wall}
+
+
+def median_step_s(events: list[dict[str, Any]], interval: int) -> float:
+    """Median time of the steps that take no checkpoint: how fast this run's machine was
+    (a shared machine drifts between runs; the prediction assumes it does not)."""
+    return statistics.median(e["step_time_s"] for e in events
+                             if e["event"] == "step" and e["step"] % interval)
+
+
+def _train(workdir: Path, args: list[str]) -> list[dict[str, Any]]:
+    from moc.train.metrics import read_events
+
+    metrics = workdir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "moc", "train", "--nproc", "2", "--ep", "2",
+           "--config", "tiny", *args, "--ckpt-dir", str(workdir / "ckpt"),
+           "--metrics", str(metrics)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=VALIDATE_TIMEOUT_S)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return read_events(metrics)
+
+
+def validate(names: list[str], steps: int, interval: int, fault_every: int, fault_kind: str,
+             repeat: int = 1, workdir: Path | None = None) -> dict[str, Any]:
+    """Per strategy, three runs back to back (tiny, 2 ranks, ep 2):
+
+        (a) no checkpoints                   -> T = span_a / steps
+        (b) a checkpoint every `interval`    -> C = (span_b - steps T) / checkpoints,
+                                                never below (b)'s median stall
+        (c) as (b), SIGKILL of rank 1 every  -> R_i per fault (`restarts`), and the
+            `fault_every` steps                 measured span
+
+    Predicted wall time of (c) = steps T + checkpoints C + sum(R_i + lost_i T)
+    (`predict_faulted_run`); measured and predicted ETTR of (c) are steps T over the two
+    times. R_i comes from (c) itself, so the check is of how the parts add up (T and C
+    from other runs, lost work from the fault steps), not of R. Each strategy gets its
+    own (a), right before its (b) and (c): on a shared machine the speed drifts between
+    runs, and the closer in time, the less. `repeat` rounds are independent checks."""
+    from moc.bench.overhead import STRATEGIES
+
+    for name in names:
+        if name == "none" or name not in STRATEGIES:
+            raise ValueError(f"--strategies: cannot validate {name!r}; choose from "
+                             f"{', '.join(n for n in STRATEGIES if n != 'none')}")
+    if not 1 <= interval <= steps:
+        raise ValueError(f"--validate-interval must be in 1..{steps}, got {interval}")
+    if not 1 <= fault_every <= steps:
+        raise ValueError(f"--validate-fault-every must be in 1..{steps}, got {fault_every}")
+    if repeat < 1:
+        raise ValueError(f"--validate-repeat must be >= 1, got {repeat}")
+    common = ["--steps", str(steps), "--ckpt-interval", str(interval)]
+    fault = ["--fault-every", str(fault_every), "--fault-rank", "1",
+             "--max-restarts", str(steps // fault_every), "--fault-kind", fault_kind]
+    n_ckpt = steps // interval
+    rounds: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+
+        def run(label: str, args: list[str]) -> list[dict[str, Any]]:
+            d = Path(tmp) / label
+            d.mkdir()
+            print(f"moc simulate --validate: {label} ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+            return _train(d, [*common, *args])
+
+        for i in range(repeat):
+            results: dict[str, Any] = {}
+            for name in names:
+                base = run(f"{i}-{name}-a-none", STRATEGIES["none"])
+                clean = run(f"{i}-{name}-b-ckpt", STRATEGIES[name])
+                faulted = run(f"{i}-{name}-c-faults", [*STRATEGIES[name], *fault])
+                step_s = span_s(base, steps) / steps
+                stalls = [e["stall_s"] for e in clean if e["event"] == "checkpoint"]
+                ckpt_s = max(statistics.median(stalls) if stalls else 0.0,
+                             (span_s(clean, steps) - steps * step_s) / n_ckpt)
+                rs = restarts(faulted)
+                measured = span_s(faulted, steps)
+                results[name] = {
+                    "step_s": step_s, "ckpt_s": ckpt_s, "restarts": rs,
+                    "predicted": predict_faulted_run(steps, interval, fault_every, step_s,
+                                                     ckpt_s, [r["restart_s"] for r in rs]),
+                    "measured": {"wall_s": measured, "ettr": steps * step_s / measured,
+                                 "lost_steps": [r["last_step"] - r["resumed_from"]
+                                                for r in rs]},
+                    "median_step_s": {"a": median_step_s(base, interval),
+                                      "b": median_step_s(clean, interval),
+                                      "c": median_step_s(faulted, interval)}}
+            rounds.append(results)
+    return {"steps": steps, "interval": interval, "fault_every": fault_every,
+            "fault_kind": fault_kind, "rounds": rounds, "wall_s": time.perf_counter() - t0}
+
+
+def validation_markdown(v: dict[str, Any]) -> str:
+    lines = [f"tiny, 2 ranks, {v['steps']} steps, a checkpoint every {v['interval']}, "
+             f"SIGKILL of rank 1 every {v['fault_every']} steps ({v['fault_kind']} faults)",
+             "",
+             "| strategy | T | C | R per fault | restore | lost steps (model / run) "
+             "| predicted wall | measured wall | predicted ETTR | measured ETTR | error "
+             "| median step a / b / c |",
+             "| --- | " + " | ".join(["---:"] * 11) + " |"]
+    for i, results in enumerate(v["rounds"]):
+        for name, s in results.items():
+            p, m = s["predicted"], s["measured"]
+            label = name if len(v["rounds"]) == 1 else f"{name} (round {i + 1})"
+            rs = ", ".join(f"{r['restart_s']:.2f}" for r in s["restarts"])
+            restore = ", ".join(f"{r['restore_s']:.3f}" for r in s["restarts"])
+            sources = sorted({r["source"] for r in s["restarts"]})
+            lines.append(
+                f"| {label} | {s['step_s']:.4f} s | {s['ckpt_s']:.4f} s | {rs} s "
+                f"| {restore} s ({', '.join(sources)}) "
+                f"| {p['lost_steps']} / {m['lost_steps']} | {p['wall_s']:.2f} s "
+                f"| {m['wall_s']:.2f} s | {p['ettr']:.4f} | {m['ettr']:.4f} "
+                f"| {100 * (p['ettr'] - m['ettr']) / m['ettr']:+.1f}% "
+                f"| {' / '.join(f'{t:.4f}' for t in s['median_step_s'].values())} s |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moc simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--overhead", type=Path, default=DEFAULT_OVERHEAD,
+                   help=f"JSON of `moc bench overhead --json` (default {DEFAULT_OVERHEAD})")
+    p.add_argument("--strategies", nargs="+",
+                   help="strategies to model (default: all in the file but none); with "
+                        "--validate: those to run (default: blocking moc)")
+    p.add_argument("--nodes", type=int, default=DEFAULT_NODES,
+                   help=f"nodes in the job (default {DEFAULT_NODES}: Llama 3 405B's 16,384 "
+                        "GPUs, 8 per node)")
+    p.add_argument("--mtbf-hours", type=float, default=DEFAULT_MTBF_HOURS,
+                   help=f"mean time between failures of one node (default "
+                        f"{DEFAULT_MTBF_HOURS:.0f}: Llama 3's 419 unexpected interruptions "
+                        "in 54 days on 2,048 nodes)")
+    p.add_argument("--step-time", type=float,
+                   help="T in seconds instead of the measured one (e.g. a GPU cluster's "
+                        "step); C and R stay as measured unless --scale-costs")
+    p.add_argument("--scale-costs", action="store_true",
+                   help="with --step-time: scale C and the restore time by the ratio of "
+                        "step times (the restart time does not scale)")
+    p.add_argument("--interval", type=int,
+                   help="also report ETTR at this interval (default: the bench's)")
+    p.add_argument("--restart-s", type=float, default=DEFAULT_RESTART_S,
+                   help=f"time to notice a fault and restart, restore excluded (default "
+                        f"{DEFAULT_RESTART_S:g}: a torchrun restart on the 2-core VM)")
+    p.add_argument("--fault-kind", choices=["process", "node"], default="process",
+                   help="process: strategies with snapshots in memory restore from them; "
+                        "node: every strategy restores from storage")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--png", type=Path, help="plot ETTR against the interval here")
+    p.add_argument("--validate", action="store_true",
+                   help="instead: real tiny runs (2 ranks) with faults every F steps, the "
+                        "model's prediction against the measured time (~2-3 minutes)")
+    p.add_argument("--validate-steps", type=int, default=VALIDATE_STEPS)
+    p.add_argument("--validate-interval", type=int, default=VALIDATE_INTERVAL)
+    p.add_argument("--validate-fault-every", type=int, default=VALIDATE_FAULT_EVERY)
+    p.add_argument("--validate-repeat", type=int, default=1,
+                   help="independent rounds of the validation (~100 s each)")
+    p.add_argument("--workdir", type=Path, help="--validate: where the runs write "
+                                                "(default: a temp dir)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `moc simulate -- --png x`: the top-level parser hands the separator on.
+    args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+
+    if args.validate:
+        v = validate(args.strategies or ["blocking", "moc"], args.validate_steps,
+                     args.validate_interval, args.validate_fault_every, args.fault_kind,
+                     args.validate_repeat, args.workdir)
+        print(validation_markdown(v))
+        print(f"\n(validation wall time {v['wall_s']:.0f} s)")
+        if args.json:
+            args.json.write_text(json.dumps({"validation": v}, indent=1))
+        return 0
+
+    result = load_overhead(args.overhead)
+    names = args.strategies or [n for n in result["strategies"] if n != "none"]
+    if "none" in names:
+        raise ValueError("--strategies: none takes no checkpoints, it is the reference T; "
+                         "leave it out")
+    interval = args.interval if args.interval is not None else result["config"]["interval"]
+    if interval < 1:
+        raise ValueError(f"--interval must be >= 1, got {interval}")
+    if args.restart_s < 0:
+        raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
+    rate = failure_rate(args.nodes, args.mtbf_hours)
+    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=args.restart_s,
+                                       fault_kind=args.fault_kind, step_time=args.step_time,
+                                       scale_costs=args.scale_costs)
+    rows = simulate(costs, rate, interval)
+    header = (f"{args.nodes} nodes, MTBF {args.mtbf_hours:g} h per node: a failure every "
+              f"{1 / rate / 3600:.2f} h; {args.fault_kind} faults; restart "
+              f"{args.restart_s:g} s + restore; T and C from {args.overhead} ({basis} "
+              f"means, measured interval {result['config']['interval']})"
+              + (f"; T set to {args.step_time:g} s" + (", C and restore scaled"
+                                                       if args.scale_costs else "")
+                 if args.step_time is not None else ""))
+    print(header)
+    print()
+    print(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"inputs": {"overhead": str(args.overhead), "nodes": args.nodes,
+                        "mtbf_hours": args.mtbf_hours, "failure_rate_per_s": rate,
+                        "restart_s": args.restart_s, "fault_kind": args.fault_kind,
+                        "step_time": args.step_time, "scale_costs": args.scale_costs,
+                        "interval": interval, "basis": basis},
+             "strategies": rows}, indent=1))
+    if args.png:
+        write_png(args.png, costs, rows, rate,
+                  f"ETTR: {args.nodes} nodes, MTBF {args.mtbf_hours:g} h per node, "
+                  f"{args.fault_kind} faults, R = {args.restart_s:g} s + restore")
+    return 0
+
+
+if __name__ == "__main__":
+    # Through the `moc` command line, for its one-line errors.
+    from moc.cli import main as moc_main
+
+    sys.exit(moc_main(["simulate", "--", *sys.argv[1:]]))

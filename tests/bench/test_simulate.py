@@ -1,0 +1,240 @@
+"""The ETTR model of `moc simulate`: pure functions and the CLI on synthetic bench JSON
+(the real runs of --validate are too slow for the suite)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moc.bench import simulate as sim
+from moc.bench.simulate import Costs, best_interval, ettr, young_daly_interval
+
+
+def costs(step: float = 1.0, ckpt: float = 2.0, restart: float = 8.0, restore: float = 2.0,
+          name: str = "x") -> Costs:
+    return Costs(name, step, ckpt, restart, restore, "storage")
+
+
+def overhead_json(**overrides: dict) -> dict:
+    strategies = {
+        "none": {"stall_median_s": None, "mean_step_time_s": 1.0,
+                 "mean_step_time_steady_s": 0.9, "restore_storage_s": None,
+                 "restore_memory_s": None},
+        "blocking": {"stall_median_s": 0.5, "mean_step_time_s": 1.2,
+                     "mean_step_time_steady_s": 1.1, "restore_storage_s": 0.25,
+                     "restore_memory_s": None},
+        "moc": {"stall_median_s": 0.01, "mean_step_time_s": 1.05,
+                "mean_step_time_steady_s": 0.92, "restore_storage_s": 0.3,
+                "restore_memory_s": 0.2},
+    }
+    for name, fields in overrides.items():
+        strategies.setdefault(name, {}).update(fields)
+    return {"config": {"interval": 5, "steps": 40}, "limits": {}, "strategies": strategies}
+
+
+def write(tmp_path: Path, result: dict) -> Path:
+    path = tmp_path / "overhead.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_ettr_matches_a_hand_computed_case():
+    # T = 1, C = 2, R = 8 + 2, λ = 1e-3, I = 8: W = 10, useful 8/10, failures waste
+    # λ (R + W/2) = 1e-3 x 15 of the time.
+    assert ettr(8, costs(), 1e-3) == pytest.approx(0.8 * (1 - 0.015))
+
+
+def test_ettr_is_zero_when_failures_outpace_progress():
+    assert ettr(8, costs(), 1 / 12) == 0.0
+    assert best_interval(costs(), 1 / 10) is None  # λ R = 1: no interval helps
+
+
+@pytest.mark.parametrize(("step", "ckpt", "restart", "rate"), [
+    (1.0, 2.0, 10.0, 1e-3), (0.6, 0.7, 10.0, 9e-5), (0.6, 0.01, 30.0, 1e-2),
+    (2.0, 0.0, 5.0, 1e-4), (0.1, 5.0, 1.0, 1e-6), (1.0, 1.0, 0.0, 0.3),
+])
+def test_best_interval_matches_a_brute_force_search(step, ckpt, restart, rate):
+    c = costs(step, ckpt, restart, 0.0)
+    best = best_interval(c, rate)
+    top = 4 * max(10, math.ceil(young_daly_interval(c, rate)))
+    brute = max(range(1, top), key=lambda i: ettr(i, c, rate))
+    assert ettr(best, c, rate) == pytest.approx(ettr(brute, c, rate), rel=1e-12)
+
+
+def test_best_interval_is_near_young_daly_when_failures_are_rare():
+    c = costs(step=1.0, ckpt=1.0, restart=0.0, restore=0.0)
+    best = best_interval(c, 1e-7)
+    assert best == pytest.approx(young_daly_interval(c, 1e-7), rel=0.01)
+
+
+def test_ettr_decreases_with_the_failure_rate():
+    rates = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2]
+    at_fixed = [ettr(20, costs(), r) for r in rates]
+    at_best = [ettr(best_interval(costs(), r), costs(), r) for r in rates]
+    assert at_fixed == sorted(at_fixed, reverse=True)
+    assert at_best == sorted(at_best, reverse=True)
+
+
+def test_costs_prefer_steady_means_and_floor_at_the_median_stall(tmp_path):
+    result = overhead_json()
+    path = write(tmp_path, result)
+    got, basis = sim.costs_from_overhead(result, path, ["blocking", "moc"], restart_s=10.0,
+                                         fault_kind="process")
+    blocking, moc = got
+    assert basis == "steady"
+    assert blocking.step_s == moc.step_s == 0.9
+    assert blocking.ckpt_s == pytest.approx((1.1 - 0.9) * 5)
+    assert moc.ckpt_s == pytest.approx((0.92 - 0.9) * 5)
+    # A process fault: moc restores from its snapshots in memory, blocking from storage.
+    assert (moc.restore_from, moc.recovery_s) == ("memory", pytest.approx(10.2))
+    assert (blocking.restore_from, blocking.recovery_s) == ("storage", pytest.approx(10.25))
+    # Without steady means (older files) the overall means; the stall is the floor.
+    for s in result["strategies"].values():
+        s.pop("mean_step_time_steady_s")
+    result["strategies"]["moc"]["stall_median_s"] = 0.4
+    (blocking, moc), basis = sim.costs_from_overhead(result, path, ["blocking", "moc"],
+                                                     restart_s=10.0, fault_kind="node")
+    assert basis == "all steps"
+    assert blocking.ckpt_s == pytest.approx((1.2 - 1.0) * 5)
+    assert moc.ckpt_s == 0.4  # (1.05 - 1.0) x 5 = 0.25 is below the stall
+    assert moc.restore_from == "storage" and moc.restore_s == 0.3  # a node fault
+
+
+def test_step_time_override_scales_costs_only_when_asked(tmp_path):
+    result = overhead_json()
+    path = write(tmp_path, result)
+    (kept,), _ = sim.costs_from_overhead(result, path, ["blocking"], restart_s=10.0,
+                                         fault_kind="process", step_time=0.09)
+    (scaled,), _ = sim.costs_from_overhead(result, path, ["blocking"], restart_s=10.0,
+                                           fault_kind="process", step_time=0.09,
+                                           scale_costs=True)
+    assert kept.step_s == scaled.step_s == 0.09
+    assert kept.ckpt_s == pytest.approx(1.0) and scaled.ckpt_s == pytest.approx(0.1)
+    assert scaled.restart_s == 10.0 and scaled.restore_s == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda r: r["strategies"]["moc"].update(mean_step_time_s=None),
+     "strategy 'moc' has no 'mean_step_time_s' (missing or null)"),
+    (lambda r: r["strategies"]["blocking"].pop("restore_storage_s"),
+     "strategy 'blocking' has no 'restore_storage_s'"),
+    (lambda r: r["strategies"].pop("none"), 'no "none" strategy'),
+    (lambda r: r["config"].pop("interval"), "config.interval must be a positive integer"),
+    (lambda r: r.pop("strategies"), 'with a "strategies" object'),
+])
+def test_missing_or_null_figures_are_a_clear_error(tmp_path, mutate, message):
+    result = overhead_json()
+    for s in result["strategies"].values():
+        s.pop("mean_step_time_steady_s")
+    mutate(result)
+    with pytest.raises(ValueError, match="--overhead .*" + _re(message)):
+        sim.main(["--overhead", str(write(tmp_path, result))])
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_missing_file_and_unknown_strategy_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="no such file; write one with `moc bench overhead"):
+        sim.main(["--overhead", str(tmp_path / "missing.json")])
+    path = write(tmp_path, overhead_json())
+    with pytest.raises(ValueError, match="no strategy 'dcp-async'; it has none, blocking, moc"):
+        sim.main(["--overhead", str(path), "--strategies", "dcp-async"])
+    with pytest.raises(ValueError, match="none takes no checkpoints"):
+        sim.main(["--overhead", str(path), "--strategies", "none"])
+
+
+def test_cli_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    path = write(tmp_path, overhead_json())
+    out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
+    assert sim.main(["--", "--overhead", str(path), "--nodes", "100", "--mtbf-hours", "1000",
+                     "--interval", "50", "--json", str(out_json), "--png", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "| strategy | T | C | R | best I | Young/Daly I | ETTR at best I | ETTR at I = 50 |" \
+        in text
+    assert "| blocking |" in text and "| moc |" in text and "| none |" not in text
+    doc = json.loads(out_json.read_text())
+    rate = 100 / (1000 * 3600)
+    assert doc["inputs"]["failure_rate_per_s"] == pytest.approx(rate)
+    moc = doc["strategies"]["moc"]
+    c = Costs("moc", moc["step_s"], moc["ckpt_s"], moc["restart_s"], moc["restore_s"],
+              moc["restore_from"])
+    assert moc["best_interval"] == best_interval(c, rate)
+    assert moc["ettr_at_interval"] == pytest.approx(ettr(50, c, rate))
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lost_steps_count_completed_steps_since_the_newest_checkpoint():
+    # The fault at step s kills before s runs: steps up to s - 1 are done.
+    assert [sim.lost_steps(s, 10) for s in (35, 70, 11, 10, 1)] == [4, 9, 0, 9, 0]
+
+
+def step(n: int, t: float, dt: float = 0.1) -> dict:
+    return {"event": "step", "step": n, "time": t, "step_time_s": dt}
+
+
+def test_restarts_and_span_are_read_from_the_event_times():
+    events = [step(1, 1.0), step(2, 1.1), step(3, 1.2),
+              {"event": "checkpoint", "step": 2, "time": 1.25, "stall_s": 0.0},
+              {"event": "recovery", "step": 3, "resumed_from": 2, "source": "memory",
+               "recovery_s": 0.05, "time": 9.0},
+              step(3, 9.5), step(4, 9.6)]
+    (r,) = sim.restarts(events)
+    assert r["last_step"] == 3 and r["resumed_from"] == 2 and r["source"] == "memory"
+    assert r["restart_s"] == pytest.approx(9.4 - 1.2)
+    assert sim.span_s(events, 4) == pytest.approx(9.6 - 0.9)
+    with pytest.raises(RuntimeError, match="did not reach step 5"):
+        sim.span_s(events, 5)
+
+
+def test_prediction_of_a_faulted_run_adds_checkpoints_restarts_and_lost_work():
+    p = sim.predict_faulted_run(100, 10, 35, step_s=0.05, ckpt_s=0.2, restarts_s=[8.0, 9.0])
+    assert p["faults"] == [35, 70] and p["lost_steps"] == [4, 9]
+    wall = 100 * 0.05 + 10 * 0.2 + 17.0 + 13 * 0.05
+    assert p["wall_s"] == pytest.approx(wall)
+    assert p["ettr"] == pytest.approx(5.0 / wall)
+    with pytest.raises(RuntimeError, match=r"expected 2 recoveries \(faults at \[35, 70\]\)"):
+        sim.predict_faulted_run(100, 10, 35, 0.05, 0.2, [8.0])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"names": ["none"]}, "cannot validate 'none'"),
+    ({"fault_every": 0}, "--validate-fault-every must be in 1..100, got 0"),
+    ({"interval": 101}, "--validate-interval must be in 1..100, got 101"),
+    ({"repeat": 0}, "--validate-repeat must be >= 1, got 0"),
+])
+def test_validate_rejects_bad_input_before_starting_any_run(kwargs, message):
+    args = {"names": ["moc"], "steps": 100, "interval": 10, "fault_every": 35,
+            "fault_kind": "process", **kwargs}
+    with pytest.raises(ValueError, match=_re(message)):
+        sim.validate(**args)
+
+
+def test_validation_table_shows_prediction_against_measurement():
+    predicted = sim.predict_faulted_run(100, 10, 35, 0.04, 0.02, [3.0, 3.5])
+    v = {"steps": 100, "interval": 10, "fault_every": 35, "fault_kind": "process",
+         "rounds": [{"blocking": {
+             "step_s": 0.04, "ckpt_s": 0.02, "predicted": predicted,
+             "restarts": [{"restart_s": 3.0, "restore_s": 0.01, "source": "storage"},
+                          {"restart_s": 3.5, "restore_s": 0.01, "source": "storage"}],
+             "measured": {"wall_s": predicted["wall_s"] * 1.1,
+                          "ettr": predicted["ettr"] / 1.1, "lost_steps": [4, 9]},
+             "median_step_s": {"a": 0.04, "b": 0.04, "c": 0.041}}}]}
+    text = sim.validation_markdown(v)
+    assert "| blocking | 0.0400 s | 0.0200 s | 3.00, 3.50 s | 0.010, 0.010 s (storage) " \
+           "| [4, 9] / [4, 9] |" in text
+    assert "| +10.0% |" in text
+
+
+def test_bad_input_through_the_moc_command_is_a_one_line_error(tmp_path, capsys):
+    from moc.cli import main as moc_main
+
+    assert moc_main(["simulate", "--overhead", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moc simulate: error: --overhead ") and err.count("\n") == 1
