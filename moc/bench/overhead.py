@@ -12,7 +12,8 @@ restart measures recovery (from memory where the strategy keeps snapshots). Stra
     moc             two levels + PEC (K_persist = 1, a complete snapshot) + sharding
 
 Per strategy: median and p90 stall per checkpoint, median step time of steps without and
-with a checkpoint, throughput against `none`, bytes per checkpoint, per-rank imbalance,
+with a checkpoint, throughput against `none` (over all steps, and in the steady state
+after the first checkpoints' one-time costs), bytes per checkpoint, per-rank imbalance,
 persist time, restore time from storage and from memory, and the host memory that
 checkpointing holds. Under "limits", the same run measures the disk's sequential write
 bandwidth with fsync and the host's memcpy bandwidth.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -38,9 +40,17 @@ from moc.train.metrics import read_events, table
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
     "blocking": ["--ckpt-mode", "blocking"],
+    "dcp-sync": ["--ckpt-mode", "dcp-sync"],
+    "dcp-async": ["--ckpt-mode", "dcp-async"],
     "moc-base-async": ["--ckpt-mode", "moc", "--k-persist", "all"],
-    "moc": ["--ckpt-mode", "moc", "--k-persist", "1"],
+    "moc": ["--ckpt-mode", "moc", "--k-persist", "1", "--k-snapshot", "auto"],
 }
+SYNCHRONOUS = ("blocking", "dcp-sync")
+"""Strategies that write while training waits: their persist time is the stall."""
+
+WARMUP_CHECKPOINTS = 3
+"""Checkpoints before the steady state: one-time costs (reserving the snapshot slots,
+the chain's first persist of every expert, the persist process starting) fall there."""
 
 
 def disk_write_bandwidth(directory: Path, nbytes: int = 256 << 20) -> float:
@@ -56,6 +66,40 @@ def disk_write_bandwidth(directory: Path, nbytes: int = 256 << 20) -> float:
     seconds = time.perf_counter() - t0
     path.unlink()
     return nbytes / seconds
+
+
+def disk_read_bandwidth(directory: Path, nbytes: int = 256 << 20) -> float:
+    """Sequential read from the disk, not the page cache: O_DIRECT into an aligned buffer
+    where the filesystem supports it, else after asking the kernel to drop the file's
+    cached pages (posix_fadvise DONTNEED, which works once the data is on disk)."""
+    path = directory / "disk-probe-read.bin"
+    block = os.urandom(8 << 20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    buf = mmap.mmap(-1, len(block))  # page-aligned, as O_DIRECT needs
+    try:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            os.preadv(fd, [buf], 0)
+        except OSError:  # no O_DIRECT here (tmpfs, some overlays)
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        offset = 0
+        while offset < nbytes:
+            n = os.preadv(fd, [buf], offset)
+            if n <= 0:
+                break
+            offset += n
+        seconds = time.perf_counter() - t0
+        os.close(fd)
+    finally:
+        buf.close()
+        path.unlink()
+    return offset / seconds
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -113,18 +157,27 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
             restore["storage"] = more[0]["recovery_s"]
     plain = [t for s, t in step_times.items() if s % interval]
     with_ckpt = [t for s, t in step_times.items() if s % interval == 0]
+    # Steady state: after the third checkpoint every snapshot slot has been reserved and
+    # the chain's first (complete) persist is written; what a long run pays per interval.
+    steady = [t for s, t in step_times.items() if s > WARMUP_CHECKPOINTS * interval]
     stalls = [e["stall_s"] for e in ckpts]
-    persist = [e["persist_s"] for e in ckpts if e.get("persist_s") is not None]
+    persisted = [(e, e["stall_s"] if name in SYNCHRONOUS else e.get("persist_s"))
+                 for e in ckpts]
+    persist = [t for _, t in persisted if t is not None]
+    # Bytes over time per checkpoint (the first of a PEC chain writes every expert).
+    rates = [e["bytes"] / t for e, t in persisted if t and e.get("bytes")]
     return {
         "stall_median_s": statistics.median(stalls) if stalls else None,
         "stall_p90_s": _quantile(stalls, 0.9),
         "step_time_s": statistics.median(plain) if plain else None,
         "step_time_ckpt_s": statistics.median(with_ckpt) if with_ckpt else None,
         "mean_step_time_s": statistics.mean(step_times.values()),
+        "mean_step_time_steady_s": statistics.mean(steady) if steady else None,
         "bytes_per_ckpt": int(statistics.median(e["bytes"] for e in later)) if later else None,
         "imbalance": (statistics.median(e["imbalance"] for e in later if e.get("imbalance"))
                       if later else None),
         "persist_s": statistics.median(persist) if persist else None,
+        "persist_Bps": statistics.median(rates) if rates else None,
         "persist_skipped": sum(1 for e in ckpts if e.get("persist_skipped")),
         "restore_storage_s": restore["storage"],
         "restore_memory_s": restore["memory"],
@@ -147,18 +200,21 @@ def markdown(result: dict[str, Any]) -> str:
     s = result["strategies"]
     base = s.get("blocking", {}).get("stall_median_s")
     ref = s.get("none", {}).get("mean_step_time_s")
+    ref_steady = s.get("none", {}).get("mean_step_time_steady_s")
 
     def fmt(v: float | None, unit: str = "s", digits: int = 4) -> str:
         return "-" if v is None else f"{v:.{digits}f} {unit}".strip()
 
     lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
-             "| throughput | bytes/ckpt | imbalance | persist | restore storage "
-             "| restore memory | ckpt host memory |",
-             "| --- | " + " | ".join(["---:"] * 12) + " |"]
+             "| throughput | steady | bytes/ckpt | imbalance | persist | persist/disk "
+             "| restore storage | restore memory | ckpt host memory |",
+             "| --- | " + " | ".join(["---:"] * 14) + " |"]
     for name, r in s.items():
         ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
                  else None)
         thr = ref / r["mean_step_time_s"] if ref else None
+        steady = r.get("mean_step_time_steady_s")
+        thr_steady = ref_steady / steady if ref_steady and steady else None
         mem = r["peak_host_mem_bytes"]
         mem_text = "-" if mem is None else (
             f"{mem / 1e6:.0f} MB = {mem / r['snapshot_bytes']:.2f} snapshots"
@@ -168,8 +224,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {fmt(ratio, '', 4) if ratio is not None else '-'} "
             f"| {fmt(r['step_time_s'])} | {fmt(r['step_time_ckpt_s'])} "
             f"| {fmt(thr, '', 3) if thr else '-'} "
+            f"| {fmt(thr_steady, '', 3) if thr_steady else '-'} "
             f"| {fmt(None if r['bytes_per_ckpt'] is None else r['bytes_per_ckpt'] / 1e6, 'MB', 1)} "
             f"| {fmt(r['imbalance'], '', 3)} | {fmt(r['persist_s'])} "
+            f"| {fmt(r.get('persist_fraction_of_disk'), '', 2)} "
             f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |")
     return "\n".join(lines)
 
@@ -187,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds over all strategies, interleaved; figures are the median "
                         "over rounds (this machine is shared and noisy)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--png", type=Path, help="bar chart of stall and throughput (matplotlib)")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
     args = p.parse_args(argv)
     steps = 20 if args.quick else args.steps
@@ -195,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         limits = {"disk_write_Bps": disk_write_bandwidth(Path(tmp)),
+                  "disk_read_Bps": disk_read_bandwidth(Path(tmp)),
                   "memcpy_Bps": memcpy_bandwidth()}
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategies}
         for i in range(args.repeat):
@@ -203,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                 workdir.mkdir()
                 rounds[name].append(run_strategy(name, common, steps, args.interval, workdir))
         strategies = {name: _median_of(runs) for name, runs in rounds.items()}
+    for r in strategies.values():
+        r["persist_fraction_of_disk"] = (r["persist_Bps"] / limits["disk_write_Bps"]
+                                         if r["persist_Bps"] else None)
     result = {"config": {"preset": args.config, "nproc": args.nproc, "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
                          "wall_s": time.perf_counter() - t0},
@@ -210,10 +273,48 @@ def main(argv: list[str] | None = None) -> int:
     print(table([("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
                             f"a checkpoint every {args.interval}"),
                  ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
+                 ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
                  ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),
                  ("wall", f"{result['config']['wall_s']:.0f} s")], "moc bench overhead"))
     print()
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.png:
+        plot(result, args.png)
     return 0
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Two panels, one bar per strategy: median stall per checkpoint (log scale) and
+    steady-state throughput against the run without checkpoints."""
+    from moc.bench.plots import pyplot
+
+    plt = pyplot()
+    s = result["strategies"]
+    ref = (s.get("none") or {}).get("mean_step_time_steady_s")
+    names = [n for n in s if n != "none"]
+    stalls = [s[n]["stall_median_s"] or 0.0 for n in names]
+    thr = [ref / s[n]["mean_step_time_steady_s"]
+           if ref and s[n].get("mean_step_time_steady_s") else 0.0 for n in names]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(names, stalls, color="tab:red")
+    a.set_yscale("log")
+    a.set_ylabel("median stall per checkpoint (s, log)")
+    for i, v in enumerate(stalls):
+        a.annotate(f"{v:.3f}s", (i, v), ha="center", va="bottom", fontsize=8)
+    b.bar(names, thr, color="tab:blue")
+    b.axhline(1.0, color="gray", linewidth=0.8)
+    b.axhline(0.9, color="gray", linestyle="--", linewidth=0.8)
+    b.set_ylim(0, 1.1)
+    b.set_ylabel("throughput vs no checkpoints (steady state)")
+    for i, v in enumerate(thr):
+        b.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
+    cfg = result["config"]
+    fig.suptitle(f"moc bench overhead: {cfg['preset']}, {cfg['nproc']} ranks, a checkpoint "
+                 f"every {cfg['interval']} steps")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
