@@ -436,13 +436,18 @@ class Checkpointer:
 
     def _newest_copies(self, entries: dict[str, Entry]) -> torch.Tensor:
         """(layers x experts) step holding each expert's newest copy (its oldest tensor)."""
-        saved_at = torch.full((self.spec.n_moe_layers, self.spec.n_experts), 2**62)
+        # Plain ints, one tensor at the end: indexing a tensor element by element costs
+        # microseconds each, and this runs inside save() on every rank.
+        none = 2**62
+        saved_at = [[none] * self.spec.n_experts for _ in range(self.spec.n_moe_layers)]
+        kind = self._tracked_kind()
         for key, entry in entries.items():
             parsed = parse_expert_key(key)
-            if parsed and parsed[0] == self._tracked_kind():
-                m, e = self._stems[parsed[1]], parsed[2]
-                saved_at[m, e] = min(int(saved_at[m, e]), entry.step)
-        return saved_at.masked_fill(saved_at == 2**62, 0)
+            if parsed and parsed[0] == kind:
+                row = saved_at[self._stems[parsed[1]]]
+                row[parsed[2]] = min(row[parsed[2]], entry.step)
+        out = torch.tensor(saved_at, dtype=torch.int64)
+        return out.masked_fill(out == none, 0)
 
     def _experts_written(self, entries: dict[str, Entry], step: int) -> list[list[int]]:
         """Experts whose tracked state has its newest copy at `step`."""
