@@ -116,23 +116,38 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int = 10) -> None:
-    """Loss curves (a moving average over `smooth` steps) with the fault steps marked."""
+    """Loss curves (a moving average over `smooth` steps) with the fault steps marked,
+    and below them each run's difference to the no-fault run, where the curves would
+    otherwise lie on top of each other."""
     from moc.bench.plots import pyplot
 
+    def average(values: list[float]) -> list[float]:
+        return [statistics.mean(values[max(0, i - smooth + 1):i + 1])
+                for i in range(len(values))]
+
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    ref = runs.get("no-fault", {}).get("losses")
     for name, r in runs.items():
         steps = [int(s) for s in r["losses"]]
-        values = list(r["losses"].values())
-        avg = [statistics.mean(values[max(0, i - smooth + 1):i + 1]) for i in range(len(values))]
-        (line,) = ax.plot(steps, avg, label=name, linewidth=1.2)
+        (line,) = top.plot(steps, average(list(r["losses"].values())), label=name,
+                           linewidth=1.2)
         for s in r["fault_steps"]:
-            ax.axvline(s, color=line.get_color(), linestyle=":", linewidth=0.8, alpha=0.6)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss ({smooth}-step moving average)")
-    ax.set_title("moc bench accuracy: loss under recurring faults (dotted: faults)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+            for ax in (top, bottom):
+                ax.axvline(s, color=line.get_color(), linestyle=":", linewidth=0.8,
+                           alpha=0.6)
+        if ref is not None:
+            diff = [r["losses"][k] - ref[k] for k in r["losses"] if k in ref]
+            bottom.plot([int(k) for k in r["losses"] if k in ref], average(diff),
+                        color=line.get_color(), linewidth=1.2)
+    top.set_ylabel(f"train loss ({smooth}-step moving average)")
+    top.set_title("moc bench accuracy: loss under recurring faults (dotted: faults)")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("minus the no-fault run's loss")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -143,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--interval", type=int, default=25, help="steps between checkpoints")
-    p.add_argument("--fault-every", type=int, default=90,
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
+    p.add_argument("--fault-every", type=int, default=100,
                    help="SIGKILL rank 1 at every multiple of this many steps")
     p.add_argument("--quick", action="store_true",
                    help="120 steps, a fault every 45, three runs: a spot check")

@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
               "--ckpt-interval", str(args.interval)]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        limits = {"disk_write_Bps": disk_write_bandwidth(Path(tmp)),
-                  "disk_read_Bps": disk_read_bandwidth(Path(tmp)),
+        # Best of three: a limit, and this shared disk's speed varies from one second
+        # to the next.
+        limits = {"disk_write_Bps": max(disk_write_bandwidth(Path(tmp)) for _ in range(3)),
+                  "disk_read_Bps": max(disk_read_bandwidth(Path(tmp)) for _ in range(3)),
                   "memcpy_Bps": memcpy_bandwidth()}
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategies}
         for i in range(args.repeat):

@@ -1,0 +1,43 @@
+"""`moc bench overhead`'s table, picture and disk probes (the strategies' runs are the
+benchmark itself, not a test)."""
+
+from __future__ import annotations
+
+from moc.bench.overhead import disk_read_bandwidth, disk_write_bandwidth, markdown, plot
+
+
+def _figures(stall: float | None, mean: float, **more: float) -> dict:
+    keys = ("stall_p90_s", "step_time_s", "step_time_ckpt_s", "bytes_per_ckpt", "imbalance",
+            "persist_s", "persist_fraction_of_disk", "restore_storage_s", "restore_memory_s",
+            "peak_host_mem_bytes", "snapshot_bytes")
+    return {**dict.fromkeys(keys), "stall_median_s": stall, "mean_step_time_s": mean,
+            "mean_step_time_steady_s": mean, **more}
+
+
+def _result() -> dict:
+    return {"config": {"preset": "bench", "nproc": 2, "interval": 5},
+            "strategies": {"none": _figures(None, 1.0),
+                           "blocking": _figures(0.5, 1.25, bytes_per_ckpt=4e8),
+                           "moc": _figures(0.005, 1.05, peak_host_mem_bytes=3e8,
+                                           snapshot_bytes=1e8)}}
+
+
+def test_table_gives_ratios_against_blocking_and_no_checkpoints():
+    lines = markdown(_result()).splitlines()
+    moc = next(line for line in lines if line.startswith("| moc |"))
+    cells = [c.strip() for c in moc.strip("|").split("|")]
+    assert cells[3] == "0.0100"  # stall vs blocking
+    assert cells[6] == "0.952" and cells[7] == "0.952"  # throughput, all and steady
+    assert cells[-1] == "300 MB = 3.00 snapshots"
+    assert "| 400.0 MB |" in next(line for line in lines if line.startswith("| blocking |"))
+
+
+def test_picture_is_a_png(tmp_path):
+    plot(_result(), tmp_path / "o.png")
+    assert (tmp_path / "o.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_disk_probes_measure_something_and_clean_up(tmp_path):
+    assert disk_write_bandwidth(tmp_path, 16 << 20) > 0
+    assert disk_read_bandwidth(tmp_path, 16 << 20) > 0
+    assert list(tmp_path.iterdir()) == []
