@@ -29,6 +29,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,16 @@ class SnapshotStore:
         self._maps: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
         self._reserved = -1  # the slot size every free slot has been reserved at
+        self._worker: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        """Run `fn` on this store's one background thread, started once and kept:
+        starting a thread per snapshot cost the training thread a millisecond or more
+        inside save() (Thread.start waits for the new thread, which then competes for
+        the GIL), and one thread also keeps snapshots in order."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
+        return self._worker.submit(fn)
 
     def bin_path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot}.bin"
@@ -150,7 +161,11 @@ class SnapshotStore:
         self._pinned.discard(slot)
 
     def release(self) -> None:
-        """Drop every mapping (and its pinned registration)."""
+        """Stop the background thread (after the copy it may be running) and drop every
+        mapping (and its pinned registration)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         for slot in list(self._maps):
             self._unmap(slot)
 
@@ -294,12 +309,11 @@ class SnapshotHandle:
                 self._error = e
                 self.seconds = time.perf_counter() - t0
 
-        self._thread = threading.Thread(target=run, name=f"moc-snapshot-{step}", daemon=True)
-        self._thread.start()
+        self._future = store.submit(run)
 
     def wait(self) -> SnapshotHeader:
         """Blocks until the copy is complete; raises what the copy raised."""
-        self._thread.join()
+        self._future.result()  # run() keeps its own errors: this only waits
         if self._error is not None:
             raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
                                   ) from self._error

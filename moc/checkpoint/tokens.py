@@ -61,11 +61,21 @@ class TokenLedger:
     def sync(self, group: dist.ProcessGroup | None) -> None:
         """Fold the pending local counts of every rank into `cumulative` (collective over
         a CPU group)."""
-        pending = self._pending.to("cpu", torch.int64)
+        pending = self.take_pending()
         if group is not None:
             dist.all_reduce(pending, group=group)
-        self.cumulative += pending
+        self.add_synced(pending)
+
+    def take_pending(self) -> torch.Tensor:
+        """This rank's counts since the last sync (on the CPU), reset to zero: for a
+        caller that sums them over ranks inside a collective of its own."""
+        pending = self._pending.to("cpu", torch.int64)
         self._pending = torch.zeros_like(self._pending)
+        return pending
+
+    def add_synced(self, summed: torch.Tensor) -> None:
+        """Fold counts already summed over every rank into `cumulative`."""
+        self.cumulative += summed.view(self.cumulative.shape)
 
     def unsaved(self) -> torch.Tensor:
         return self.cumulative - self.at_save

@@ -58,3 +58,28 @@ def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tm
         assert res["lost"] == 0  # every expert's weights came back from rank 0's memory
         for name, p in res["params"].items():
             assert torch.equal(p, saved[0][name]), name
+
+
+def _exchange_on(rank: int, world: int) -> list:
+    from moc.checkpoint.twolevel import SHARE_BYTES, _exchange
+    from moc.parallel import ParallelGroups
+
+    groups = ParallelGroups.from_world(1, 4)
+    out = []
+    for share in ([("done", 5, True, None, 0.1, [1, 2])], "x" * (2 * SHARE_BYTES)):
+        counts = torch.full((2, 4), rank + 1, dtype=torch.int64)
+        mine = share if rank == 0 else None  # only rank 0's share counts
+        out.append((_exchange(mine, counts, groups), counts.tolist()))
+    return out
+
+
+def test_persist_results_and_token_counts_travel_in_one_exchange():
+    """Rank 0's results reach every rank and the counts are summed, also when the
+    results are too large for the all-reduce and take the fallback broadcast."""
+    from moc.checkpoint.twolevel import SHARE_BYTES
+
+    for got in run_ranks(_exchange_on, 2):
+        (small, counts_a), (large, counts_b) = got
+        assert small == [("done", 5, True, None, 0.1, [1, 2])]
+        assert large == "x" * (2 * SHARE_BYTES)
+        assert counts_a == counts_b == [[3] * 4] * 2
