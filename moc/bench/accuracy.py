@@ -25,7 +25,6 @@ marked, and `--json FILE` shaped `{"runs": {"<name>": {...}}}`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moc.train.metrics import read_events, table
+from moc.bench.plots import publish
+from moc.train.metrics import read_events
 
 RUNS: dict[str, list[str]] = {
     "no-fault": ["--ckpt-mode", "none"],
@@ -190,13 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                          "interval": args.interval, "fault_every": fault_every,
                          "wall_s": time.perf_counter() - t0},
               "runs": runs}
-    print(table([("config", f"{args.config}, {args.nproc} ranks, {steps} steps, a checkpoint "
-                            f"every {args.interval}, a fault every {fault_every}"),
-                 ("wall", f"{result['config']['wall_s']:.0f} s")], "moc bench accuracy"))
-    print()
-    print(markdown(runs))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.png:
-        plot(runs, args.png)
+    publish("moc bench accuracy",
+            [("config", f"{args.config}, {args.nproc} ranks, {steps} steps, a checkpoint "
+                        f"every {args.interval}, a fault every {fault_every}"),
+             ("wall", f"{result['config']['wall_s']:.0f} s")],
+            markdown(runs), result, args.json, args.png, lambda path: plot(runs, path))
     return 0

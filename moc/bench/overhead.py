@@ -22,7 +22,6 @@ bandwidth with fsync and the host's memcpy bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -35,7 +34,8 @@ from typing import Any
 
 import torch
 
-from moc.train.metrics import read_events, table
+from moc.bench.plots import publish
+from moc.train.metrics import read_events
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
@@ -272,18 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                          "interval": args.interval, "repeat": args.repeat,
                          "wall_s": time.perf_counter() - t0},
               "limits": limits, "strategies": strategies}
-    print(table([("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
-                            f"a checkpoint every {args.interval}"),
-                 ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
-                 ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
-                 ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),
-                 ("wall", f"{result['config']['wall_s']:.0f} s")], "moc bench overhead"))
-    print()
-    print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.png:
-        plot(result, args.png)
+    publish("moc bench overhead",
+            [("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
+                        f"a checkpoint every {args.interval}"),
+             ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
+             ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
+             ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),
+             ("wall", f"{result['config']['wall_s']:.0f} s")],
+            markdown(result), result, args.json, args.png, lambda path: plot(result, path))
     return 0
 
 

@@ -41,3 +41,19 @@ def test_disk_probes_measure_something_and_clean_up(tmp_path):
     assert disk_write_bandwidth(tmp_path, 16 << 20) > 0
     assert disk_read_bandwidth(tmp_path, 16 << 20) > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_prints_the_tables_and_writes_what_was_asked(tmp_path, capsys):
+    import json
+
+    from moc.bench.plots import publish
+
+    drawn = []
+    publish("moc bench overhead", [("config", "bench")], markdown(_result()), _result(),
+            tmp_path / "r.json", tmp_path / "r.png", drawn.append)
+    out = capsys.readouterr().out
+    assert out.startswith("moc bench overhead") and "| moc |" in out
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["preset"] == "bench"
+    assert drawn == [tmp_path / "r.png"]
+    publish("t", [], "", {}, None, None, drawn.append)  # nothing asked, nothing written
+    assert drawn == [tmp_path / "r.png"]
