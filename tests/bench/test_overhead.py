@@ -55,5 +55,5 @@ def test_publish_prints_the_tables_and_writes_what_was_asked(tmp_path, capsys):
     assert out.startswith("moc bench overhead") and "| moc |" in out
     assert json.loads((tmp_path / "r.json").read_text())["config"]["preset"] == "bench"
     assert drawn == [tmp_path / "r.png"]
-    publish("t", [], "", {}, None, None, drawn.append)  # nothing asked, nothing written
+    publish("t", [("a", "b")], "", {}, None, None, drawn.append)  # nothing asked
     assert drawn == [tmp_path / "r.png"]
