@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from moc.bench.plots import publish
-from moc.train.metrics import read_events
+from moc.bench.plots import publish, train_run
 
 RUNS: dict[str, list[str]] = {
     "no-fault": ["--ckpt-mode", "none"],
@@ -88,16 +86,10 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(name: str, common: list[str], steps: int, fault_every: int, workdir: Path
         ) -> dict[str, Any]:
-    metrics = workdir / "metrics.jsonl"
     faults = [] if name == "no-fault" else [
         "--fault-every", str(fault_every), "--fault-rank", "1",
         "--max-restarts", str(steps // fault_every)]
-    cmd = [sys.executable, "-m", "moc", "train", *common, *RUNS[name], *faults,
-           "--ckpt-dir", str(workdir / "ckpt"), "--metrics", str(metrics)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    return summarize(read_events(metrics))
+    return summarize(train_run([*common, *RUNS[name], *faults], workdir))
 
 
 def markdown(runs: dict[str, dict[str, Any]]) -> str:

@@ -25,8 +25,6 @@ import argparse
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +32,7 @@ from typing import Any
 
 import torch
 
-from moc.bench.plots import publish
-from moc.train.metrics import read_events
+from moc.bench.plots import publish, train_run
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
@@ -112,14 +109,6 @@ def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     return 3 * nbytes / (time.perf_counter() - t0)
 
 
-def _train(args: list[str], workdir: Path, metrics: Path, check: bool = True) -> None:
-    cmd = [sys.executable, "-m", "moc", "train", *args, "--ckpt-dir", str(workdir / "ckpt"),
-           "--metrics", str(metrics)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if check and r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-
-
 def _quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -129,11 +118,9 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path
                  ) -> dict[str, Any]:
-    metrics = workdir / "metrics.jsonl"
     fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank", "1",
                                        "--max-restarts", "1"]
-    _train([*common, *STRATEGIES[name], *fault], workdir, metrics)
-    events = read_events(metrics)
+    events = train_run([*common, *STRATEGIES[name], *fault], workdir)
     first_attempt = []
     for e in events:
         if e["event"] == "recovery":
@@ -151,8 +138,8 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     if name.startswith("moc"):
         # The job finished and removed its snapshots: a new start reads storage.
         before = len(recoveries)
-        _train([*common, *STRATEGIES[name]], workdir, metrics)
-        more = [e for e in read_events(metrics) if e["event"] == "recovery"][before:]
+        more = [e for e in train_run([*common, *STRATEGIES[name]], workdir)
+                if e["event"] == "recovery"][before:]
         if more:
             restore["storage"] = more[0]["recovery_s"]
     plain = [t for s, t in step_times.items() if s % interval]

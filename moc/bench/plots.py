@@ -1,14 +1,31 @@
-"""What a benchmark prints and writes: its table, JSON and picture (PNG). matplotlib is
-optional (`pip install moc[plots]`): the tables and JSON never need it."""
+"""What every benchmark shares: running `moc train` and reading its events, and what it
+prints and writes (its table, JSON and picture). matplotlib is optional
+(`pip install moc[plots]`): the tables and JSON never need it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moc.train.metrics import table
+from moc.train.metrics import read_events, table
+
+
+def train_run(args: list[str], workdir: Path, timeout: float | None = None
+              ) -> list[dict[str, Any]]:
+    """Run `moc train ARGS` with its checkpoints and metrics in `workdir`; every event
+    of `workdir`'s metrics file (a later run in the same workdir resumes there and
+    appends). A failed run raises with the end of its stderr."""
+    metrics = workdir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "moc", "train", *args, "--ckpt-dir", str(workdir / "ckpt"),
+           "--metrics", str(metrics)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return read_events(metrics)
 
 
 def pyplot() -> Any:

@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -357,16 +356,10 @@ def median_step_s(events: list[dict[str, Any]], interval: int) -> float:
 
 
 def _train(workdir: Path, args: list[str]) -> list[dict[str, Any]]:
-    from moc.train.metrics import read_events
+    from moc.bench.plots import train_run
 
-    metrics = workdir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "moc", "train", "--nproc", "2", "--ep", "2",
-           "--config", "tiny", *args, "--ckpt-dir", str(workdir / "ckpt"),
-           "--metrics", str(metrics)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=VALIDATE_TIMEOUT_S)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    return read_events(metrics)
+    return train_run(["--nproc", "2", "--ep", "2", "--config", "tiny", *args], workdir,
+                     timeout=VALIDATE_TIMEOUT_S)
 
 
 def validate(names: list[str], steps: int, interval: int, fault_every: int, fault_kind: str,

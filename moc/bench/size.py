@@ -16,17 +16,14 @@ size model, C = (P_ne + K/N P_e)(B_w + B_o), with B_w = 4 (fp32 weights) and B_o
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from moc.bench.plots import publish, train_run
 from moc.train.config import PRESETS
-from moc.train.metrics import read_events, table
 
 B_W, B_O = 4, 8
 """Bytes per parameter: fp32 weights; AdamW exp_avg + exp_avg_sq in fp32."""
@@ -43,16 +40,11 @@ def parameter_counts(config: str) -> tuple[int, int]:
 
 def _run(workdir: Path, args: list[str], nproc: int, ep: int | None, config: str,
          steps: int) -> list[dict]:
-    metrics = workdir / "metrics.jsonl"
     if ep is not None:
         args = [*args, "--ep", str(ep)]
-    cmd = [sys.executable, "-m", "moc", "train", "--nproc", str(nproc), "--config", config,
-           "--steps", str(steps), "--ckpt-interval", "1", "--ckpt-dir", str(workdir / "ckpt"),
-           "--metrics", str(metrics), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-    return [e for e in read_events(metrics) if e["event"] == "checkpoint"]
+    events = train_run(["--nproc", str(nproc), "--config", config, "--steps", str(steps),
+                        "--ckpt-interval", "1", *args], workdir)
+    return [e for e in events if e["event"] == "checkpoint"]
 
 
 def strategies(n_experts: int, ks: list[int]) -> list[tuple[str, str, list[str], int]]:
@@ -126,12 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         result = run(args.nproc, args.ep, args.config, args.steps, args.k, Path(tmp))
     cfg = result["config"]
-    print(table([("model", f"{cfg['preset']}: {cfg['params_non_expert']:,} non-expert + "
-                           f"{cfg['params_expert']:,} expert parameters, N = {cfg['n_experts']}"),
-                 ("ranks / ep", f"{cfg['nproc']} / {cfg['ep'] or 'default'}")],
-                "moc bench size"))
-    print()
-    print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    publish("moc bench size",
+            [("model", f"{cfg['preset']}: {cfg['params_non_expert']:,} non-expert + "
+                       f"{cfg['params_expert']:,} expert parameters, N = {cfg['n_experts']}"),
+             ("ranks / ep", f"{cfg['nproc']} / {cfg['ep'] or 'default'}")],
+            markdown(result), result, args.json, None, lambda path: None)
     return 0

@@ -149,6 +149,9 @@ class Trainer:
                 policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
                 model_meta=self.model_meta(), mode=cfg.ckpt_mode,
                 sharded=cfg.ckpt_mode == "pec" and cfg.shard)
+        # Saves that finish in the background report through `drain_completed()` (moc's
+        # two-level checkpointer, the DCP baselines); decided once, not every step.
+        self._asynchronous = hasattr(self.checkpointer, "drain_completed")
         self.step = 0
 
     def policy(self) -> PECPolicy:
@@ -251,7 +254,7 @@ class Trainer:
             note = ""
             if isinstance(stats, SaveStats):
                 note = self._report(result, _save_event(stats), progress)
-            elif _asynchronous(self.checkpointer) and self.checkpointer.pending:
+            elif self._asynchronous and self.checkpointer.pending:
                 for rec in self.checkpointer.drain_completed():
                     if rec.k_snapshot_chosen:
                         self.metrics.emit("k_snapshot", step=rec.step,
@@ -261,7 +264,7 @@ class Trainer:
                         progress.message(f"K_snapshot = {rec.k_snapshot} (auto)")
                     note = self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
             progress.update(self.step, loss, note)
-        if _asynchronous(self.checkpointer):
+        if self._asynchronous:
             self.checkpointer.flush()
             for rec in self.checkpointer.drain_completed():
                 self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
@@ -325,12 +328,6 @@ def _save_event(stats: SaveStats) -> dict[str, Any]:
             "bytes_per_rank": stats.bytes_per_rank, "imbalance": stats.imbalance,
             "mode": stats.mode, "k": stats.k, "experts_saved": stats.n_experts_saved,
             "error": stats.error}
-
-
-def _asynchronous(checkpointer: object) -> bool:
-    """Whether saves finish in the background and report through `drain_completed()`
-    (moc's two-level checkpointer, the DCP baselines)."""
-    return hasattr(checkpointer, "drain_completed")
 
 
 def _record_event(rec: CheckpointRecord, mode: str) -> dict[str, Any]:
