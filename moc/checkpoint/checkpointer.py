@@ -275,12 +275,13 @@ class Checkpointer:
         units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
         return units, unit_of
 
-    def _local_state(self) -> dict[str, torch.Tensor]:
+    def _local_state(self, rng: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Everything this rank holds under stable keys (views, no copies): its
-        parameters, the optimizer state it owns, its RNG."""
+        parameters, the optimizer state it owns, its RNG (`rng`: the state taken when
+        the checkpoint was requested; now by default)."""
         state = flatten_params(self.model, self.spec)
         state.update(flatten_optimizer(self.optimizer.local_state(), self.spec))
-        state[rng_key(self.groups.rank)] = torch.get_rng_state()
+        state[rng_key(self.groups.rank)] = torch.get_rng_state() if rng is None else rng
         return state
 
     def _sharded_keys(self, wanted, state: dict[str, torch.Tensor]) -> list[str]:

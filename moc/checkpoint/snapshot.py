@@ -24,12 +24,13 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import shutil
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,16 +111,25 @@ class SnapshotStore:
         self._maps: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
         self._reserved = -1  # the slot size every free slot has been reserved at
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: queue.SimpleQueue | None = None
 
     def submit(self, fn: Callable[[], None]) -> Future:
         """Run `fn` on this store's one background thread, started once and kept:
         starting a thread per snapshot cost the training thread a millisecond or more
         inside save() (Thread.start waits for the new thread, which then competes for
-        the GIL), and one thread also keeps snapshots in order."""
+        the GIL), and one thread also keeps snapshots in order.
+
+        The thread is a daemon: its work may include a collective (the snapshot's plan),
+        and a process leaving on an error must not wait at exit for a collective its
+        peers will never enter. A snapshot cut short that way has no header, so it is
+        never a recovery source."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
-        return self._worker.submit(fn)
+            self._worker = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._worker,), name="moc-snapshot",
+                             daemon=True).start()
+        future: Future = Future()
+        self._worker.put((fn, future))
+        return future
 
     def bin_path(self, slot: int) -> Path:
         return self.dir / f"slot-{slot}.bin"
@@ -164,7 +174,9 @@ class SnapshotStore:
         """Stop the background thread (after the copy it may be running) and drop every
         mapping (and its pinned registration)."""
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            done: Future = Future()
+            self._worker.put((None, done))
+            done.result()  # after the work submitted before
             self._worker = None
         for slot in list(self._maps):
             self._unmap(slot)
@@ -268,6 +280,19 @@ class SnapshotStore:
         return out
 
 
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The snapshot thread: run jobs in order until a None job, which it acknowledges."""
+    while True:
+        fn, future = jobs.get()
+        if fn is None:
+            future.set_result(None)
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:
+            future.set_exception(e)
+
+
 BACKGROUND_NICE = 10
 """Niceness of checkpoint work (the snapshot thread, the persist process): on a machine
 whose cores training keeps busy, the copy then fills the gaps (ranks waiting on each
@@ -279,42 +304,74 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
-class SnapshotHandle:
-    """A snapshot being taken on a background thread (the staging future)."""
+@dataclass
+class SnapshotJob:
+    """What one snapshot copies, decided on the snapshot thread (`SnapshotHandle`'s
+    plan)."""
 
-    def __init__(self, store: SnapshotStore, slot: int, step: int,
-                 tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                 on_done: Callable[[SnapshotHeader], None] | None = None,
-                 sizing: dict[str, torch.Tensor] | None = None) -> None:
-        self.slot, self.step = slot, step
+    slot: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    sizing: dict[str, torch.Tensor] | None = None
+    """The whole state the slot is laid out for (default: `tensors`)."""
+    on_done: Callable[[SnapshotHeader], None] | None = None
+    """Called on the snapshot thread once the snapshot is complete."""
+
+
+class SnapshotHandle:
+    """A snapshot being taken on the store's background thread: first `plan` decides
+    what to copy and where (it may run collectives of its own), then the copy.
+
+    Both run behind the next forward and backward pass, so deciding costs training no
+    more than copying: the caller pays for handing the work over, and for waiting in
+    `wait()` only when the two together outlast the window."""
+
+    def __init__(self, store: SnapshotStore, step: int, plan: Callable[[], SnapshotJob],
+                 ready: Any = None) -> None:
+        """`ready`: a CUDA event recorded on the training stream when the checkpoint was
+        requested; the copy waits for it (the state is final once the work queued before
+        it is done)."""
+        self.step = step
+        self.slot: int | None = None
+        self.plan_s = 0.0
+        """Time the plan took, before the copy started."""
         self.seconds = 0.0
+        """Time the copy took."""
         self._error: BaseException | None = None
+        self._planned = False
         self.header: SnapshotHeader | None = None
-        ready = None
-        if any(t.is_cuda for t in tensors.values()):
-            # The state is final once the work queued so far on the training stream is
-            # done; the copy waits for exactly that, not for the whole device.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
 
         def run() -> None:
             _lower_priority()
             t0 = time.perf_counter()
             try:
-                self.header = store.write(slot, step, tensors, meta, ready, sizing)
-                self.seconds = time.perf_counter() - t0
-                if on_done is not None:
-                    on_done(self.header)
+                job = plan()
+            except BaseException as e:  # re-raised as it is by wait()
+                self._error = e
+                return
+            self._planned = True
+            self.slot = job.slot
+            t1 = time.perf_counter()
+            self.plan_s = t1 - t0
+            try:
+                self.header = store.write(job.slot, step, job.tensors, job.meta, ready,
+                                          job.sizing)
+                self.seconds = time.perf_counter() - t1
+                if job.on_done is not None:
+                    job.on_done(self.header)
             except BaseException as e:  # re-raised by wait() on the caller's thread
                 self._error = e
-                self.seconds = time.perf_counter() - t0
+                self.seconds = time.perf_counter() - t1
 
         self._future = store.submit(run)
 
     def wait(self) -> SnapshotHeader:
-        """Blocks until the copy is complete; raises what the copy raised."""
+        """Blocks until the copy is complete; raises what the plan or the copy raised
+        (a failed plan, e.g. a peer lost in its collective, as it is)."""
         self._future.result()  # run() keeps its own errors: this only waits
         if self._error is not None:
+            if not self._planned:
+                raise self._error
             raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
                                   ) from self._error
         assert self.header is not None

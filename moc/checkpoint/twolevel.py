@@ -1,7 +1,9 @@
 """Two-level checkpointing: PEC + sharding + a snapshot in memory + a background persist.
 
-    save(s)              choose a free slot, start copying this rank's whole state into
-                         node-local shared memory on a thread, return at once
+    save(s)              hand step s to the snapshot thread and return at once; that
+                         thread shares persist results and token counts (one small
+                         all-reduce), chooses the experts and a free slot, and copies
+                         this rank's state into node-local shared memory
     wait_for_snapshot()  right before optimizer.step(): blocks only if the copy is not
                          done yet; the stall is max(0, copy time - forward/backward time)
     persist process      writes the K_persist experts + non-expert share of each rank
@@ -17,12 +19,14 @@ one, they restore from memory ("memory"); otherwise from storage ("storage").
 
 When a new checkpoint comes while the previous persist is still running, `persist_policy`
 decides: "skip" (the default) takes the snapshot but does not persist it, and the skip
-is reported; "wait" blocks until the running persist is done.
+is reported; "wait" makes the snapshot wait until the running persist is done, so
+training waits for it in `wait_for_snapshot()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pickle
 import subprocess
@@ -47,6 +51,7 @@ from moc.checkpoint.selection import SelectionContext, select_experts
 from moc.checkpoint.snapshot import (
     N_SLOTS,
     SnapshotHandle,
+    SnapshotJob,
     SnapshotStore,
     default_job_id,
     job_dir,
@@ -132,6 +137,9 @@ class TwoLevelCheckpointer(Checkpointer):
         self._records: dict[int, CheckpointRecord] = {}
         self._done: list[tuple] = []  # rank 0: persist results not yet shared
         self._send_lock = threading.Lock()
+        # The chain and persist state: changed by the snapshot thread while it plans a
+        # checkpoint (`_plan`), read by the caller's thread in drain_completed().
+        self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
         if g.rank == 0:
             remove_stale_jobs(keep=self.job)
@@ -179,14 +187,18 @@ class TwoLevelCheckpointer(Checkpointer):
             rec.persist_s, rec.bytes_per_rank = seconds, bytes_per_rank
             rec.error = None if ok else error
 
-    def _share_done(self, block: bool, with_tokens: bool = False) -> None:
+    def _share_done(self, block: bool, counts: torch.Tensor | None = None) -> None:
         """Collective: every rank learns the same persist results and applies them; with
-        `with_tokens`, the same collective also sums the routed-token counts."""
+        `counts` (this rank's routed tokens since the last save), the same collective
+        also sums them into the ledger."""
+        with self._lock:
+            self._share_done_locked(block, counts)
+
+    def _share_done_locked(self, block: bool, counts: torch.Tensor | None) -> None:
         g = self.groups
         if g.rank == 0:
             self._receive(block)
         share = (self._done, self._persist_step, self._persist_alive, self._k_snapshot_choice)
-        counts = self.ledger.take_pending() if with_tokens else None
         done, in_flight, alive, choice = _exchange(share, counts, g)
         if counts is not None:
             self.ledger.add_synced(counts)
@@ -223,8 +235,13 @@ class TwoLevelCheckpointer(Checkpointer):
     def drain_completed(self) -> list[CheckpointRecord]:
         """Checkpoints whose snapshot is taken and whose persist has finished or was
         skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
-        if self.groups.rank == 0:
-            self._receive(block=False)
+        # Rank 0 reads the persist results that have arrived, unless the snapshot
+        # thread is sharing them right now (it takes them itself then).
+        if self.groups.rank == 0 and self._lock.acquire(blocking=False):
+            try:
+                self._receive(block=False)
+            finally:
+                self._lock.release()
         out = []
         for step in sorted(self._records):
             rec = self._records[step]
@@ -238,33 +255,64 @@ class TwoLevelCheckpointer(Checkpointer):
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None  # type: ignore[override]
              ) -> CheckpointRecord:
-        """Start a checkpoint of `step` and return at once; the copy runs in the
-        background until `wait_for_snapshot`. Collective (small: persist results and
-        the token counts)."""
+        """Start a checkpoint of `step` and return at once.
+
+        This thread only takes what cannot wait (the routed-token counts and the RNG
+        state of this step, a copy of `extra_state`) and hands the checkpoint to the
+        snapshot thread, which does the rest behind the next forward and backward pass:
+        the collective that shares persist results and sums the token counts, choosing
+        the experts, planning the writes, the copy, and the persist request. Training
+        waits only in `wait_for_snapshot()`, and only if all that outlasts the window.
+        The record's fields are final once `drain_completed()` returns it."""
         t0 = time.perf_counter()
-        g = self.groups
-        self.wait_for_snapshot()  # the previous copy must be done (it normally is)
-        self._share_done(block=self.persist_policy == "wait", with_tokens=True)
+        self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
+        record = CheckpointRecord(step, self.k, 0, 0.0)
+        self._records[step] = record
+        counts = self.ledger.take_pending()
+        rng = torch.get_rng_state()
+        extra = copy.deepcopy(extra_state) if extra_state else {}
+        ready = None
+        if any(p.is_cuda for p in self.model.parameters()):
+            ready = torch.cuda.Event()  # the copy waits for the work queued so far
+            ready.record(torch.cuda.current_stream())
+        self._handle = SnapshotHandle(
+            self.store, step, lambda: self._plan(record, counts, rng, extra), ready)
+        record.save_s = time.perf_counter() - t0
+        self._saved_at_time = time.perf_counter()
+        return record
+
+    def _plan(self, record: CheckpointRecord, counts: torch.Tensor, rng: torch.Tensor,
+              extra: dict[str, Any]) -> SnapshotJob:
+        """On the snapshot thread: what `record.step`'s snapshot copies and where, and
+        its persist request. Collective (one small all-reduce), entered by every rank in
+        the order of their saves."""
+        with self._lock:
+            return self._plan_locked(record, counts, rng, extra)
+
+    def _plan_locked(self, record: CheckpointRecord, counts: torch.Tensor,
+                     rng: torch.Tensor, extra: dict[str, Any]) -> SnapshotJob:
+        g, step = self.groups, record.step
+        self._share_done(block=self.persist_policy == "wait", counts=counts)
         # Without a persist process (it died), training goes on with snapshots only:
         # each checkpoint is reported as not persisted, and memory still recovers crashes.
         persist_now = self._persist_step is None and self._persist_alive
         selected = self._select(step)
         prev = self._manifest.entries if self._manifest is not None else {}
         wanted = self._wanted([set(s) for s in selected], prev, step)
-        state = self._local_state()
+        state = self._local_state(rng)
         write = self._sharded_keys(wanted, state) if persist_now else []
         written = (selected if prev else
                    [list(range(self.spec.n_experts)) for _ in range(self.spec.n_moe_layers)])
-        record = CheckpointRecord(step, self.k, sum(len(e) for e in written), 0.0,
-                                  persist_skipped=not persist_now,
-                                  error=None if self._persist_alive else PERSIST_GONE)
-        self._records[step] = record
+        record.k = self.k
+        record.experts_saved = sum(len(e) for e in written)
+        record.persist_skipped = not persist_now
+        record.error = None if self._persist_alive else PERSIST_GONE
         slot = next(s for s in range(N_SLOTS) if s not in (self._newest_slot,
                                                              self._persist_slot))
         held = list(state)
         snapshot_experts = self._snapshot_experts(prev, written if persist_now else None)
         snapshot = self._snapshot_keys(state, snapshot_experts, set(write))
-        meta = {"extra": extra_state or {}, "ledger": self.ledger.to_json(), "k": self.k,
+        meta = {"extra": extra, "ledger": self.ledger.to_json(), "k": self.k,
                 "lost_base": self._lost_base.tolist(), "snap_index": self._snap_index,
                 "k_snapshot": self.k_snapshot, "model": self.model_meta,
                 "layout": {"world_size": g.world_size, "ep": g.layout.ep}}
@@ -279,20 +327,16 @@ class TwoLevelCheckpointer(Checkpointer):
                 with contextlib.suppress(OSError):
                     self._send(("ready", g.rank, step, slot, write, held))
 
-        self._handle = SnapshotHandle(self.store, slot, step, snapshot, meta, on_done=on_done,
-                                      sizing=state)
         if persist_now:
             self._persist_slot, self._persist_step_of_slot = slot, step
             self._persist_step = step
             if g.rank == 0:
                 prev_step = self._manifest.step if self._manifest is not None else None
-                template = self._template(step, extra_state, written)
+                template = self._template(step, extra, written)
                 with contextlib.suppress(OSError):  # reported as failed by _receive
                     self._send(("persist", PersistRequest(step, prev_step, template,
                                                           g.world_size)))
-        record.save_s = time.perf_counter() - t0
-        self._saved_at_time = time.perf_counter()
-        return record
+        return SnapshotJob(slot, snapshot, meta, sizing=state, on_done=on_done)
 
     def _snapshot_experts(self, prev: dict, persisted: list[list[int]] | None
                           ) -> list[set[int]]:
@@ -351,18 +395,21 @@ class TwoLevelCheckpointer(Checkpointer):
             # at the next save so that every rank uses the same K_snapshot.
             self.auto_k_snapshot = False
             if self.groups.rank == 0:
-                self._k_snapshot_choice = self._size_snapshot(header, handle.seconds, window)
+                self._k_snapshot_choice = self._size_snapshot(
+                    header, handle.seconds, window, handle.plan_s)
         rec = self._records.get(handle.step)
         if rec is not None:
             rec.wait_s = time.perf_counter() - t0
             rec.snapshot_s = handle.seconds
         return rec
 
-    def _size_snapshot(self, header: Any, seconds: float, window: float) -> dict[str, Any]:
+    def _size_snapshot(self, header: Any, seconds: float, window: float, plan_s: float
+                       ) -> dict[str, Any]:
         """The paper's adaptive configuration: the largest K_snapshot whose copy still
         hides behind a forward and backward pass, from the copy just measured (its bytes
         and time) and the time training ran meanwhile (save() returning to
-        wait_for_snapshot()). Never below K_persist: the persist reads from it."""
+        wait_for_snapshot()) less the time the snapshot thread spent planning before the
+        copy. Never below K_persist: the persist reads from it."""
         nbytes = {k: torch.Size(e.shape).numel() * _itemsize(e.dtype)
                   for k, e in header.entries.items()}
         dense = sum(b for k, b in nbytes.items() if parse_expert_key(k) is None)
@@ -374,12 +421,12 @@ class TwoLevelCheckpointer(Checkpointer):
                 experts[at] = experts.get(at, 0) + b
         per_k = (sum(experts.values()) / max(1, len(experts))) * self.spec.n_moe_layers
         bandwidth = sum(nbytes.values()) / max(seconds, 1e-9)
-        budget = bandwidth * window - dense
+        budget = bandwidth * max(0.0, window - plan_s) - dense
         k = int(budget // per_k) if per_k else self.spec.n_experts
         floor = min(self.k, self.spec.n_experts)
         k = max(floor, min(self.spec.n_experts, k))
-        return {"k_snapshot": k, "window_s": window, "copy_Bps": bandwidth,
-                "snapshot_s": seconds}
+        return {"k_snapshot": k, "window_s": window, "plan_s": plan_s,
+                "copy_Bps": bandwidth, "snapshot_s": seconds}
 
     # -- recovery --------------------------------------------------------------------------
 

@@ -260,6 +260,7 @@ class Trainer:
                         self.metrics.emit("k_snapshot", step=rec.step,
                                           k=rec.k_snapshot_chosen["k_snapshot"],
                                           window_s=rec.k_snapshot_chosen["window_s"],
+                                          plan_s=rec.k_snapshot_chosen["plan_s"],
                                           copy_Bps=rec.k_snapshot_chosen["copy_Bps"])
                         progress.message(f"K_snapshot = {rec.k_snapshot} (auto)")
                     note = self._report(result, _record_event(rec, cfg.ckpt_mode), progress)

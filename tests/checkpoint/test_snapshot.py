@@ -8,6 +8,7 @@ import torch
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.snapshot import (
     SnapshotHandle,
+    SnapshotJob,
     SnapshotStore,
     job_dir,
     remove_stale_jobs,
@@ -85,11 +86,24 @@ def test_a_flipped_byte_in_memory_is_detected():
 
 def test_the_copy_runs_in_the_background_and_errors_surface_on_wait():
     store = SnapshotStore("job", rank=0)
-    handle = SnapshotHandle(store, 2, 5, _state(), {})
-    assert handle.wait().step == 5
-    bad = SnapshotHandle(store, 2, 6, {"x": torch.ones(2)}, {}, on_done=lambda h: 1 / 0)
+    handle = SnapshotHandle(store, 5, lambda: SnapshotJob(2, _state(), {}))
+    assert handle.wait().step == 5 and handle.slot == 2
+    bad = SnapshotHandle(store, 6, lambda: SnapshotJob(2, {"x": torch.ones(2)}, {},
+                                                       on_done=lambda h: 1 / 0))
     with pytest.raises(CheckpointError, match="snapshot of step 6 failed"):
         bad.wait()
+
+
+def test_a_failed_plan_is_raised_as_it_is_and_nothing_is_copied():
+    store = SnapshotStore("job", rank=0)
+
+    def plan() -> SnapshotJob:
+        raise RuntimeError("Connection closed by peer")
+
+    handle = SnapshotHandle(store, 7, plan)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        handle.wait()
+    assert handle.slot is None and store.headers() == {}
 
 
 def test_stale_jobs_of_dead_owners_are_removed_but_not_ours_or_live_ones():

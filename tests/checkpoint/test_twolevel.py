@@ -109,6 +109,9 @@ def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tm
     model, opt = _build(0)
     ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
     records = _train(model, opt, ckpt, 2)
+    # "wait": step 2's snapshot waits for step 1's persist, so once it is taken step 1
+    # is persisted.
+    ckpt.wait_for_snapshot()
     os.kill(ckpt._process.pid, signal.SIGKILL)
     ckpt._process.wait()
     records += _train(model, opt, ckpt, 3, start=3)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +60,43 @@ def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tm
         assert res["lost"] == 0  # every expert's weights came back from rank 0's memory
         for name, p in res["params"].items():
             assert torch.equal(p, saved[0][name]), name
+
+
+def _save_while_the_peer_is_late(rank: int, world: int, root: str) -> dict:
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1)
+    out = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    out.loss.backward()
+    opt.step()
+    ckpt.record_routing(out.tokens_per_expert)
+    marker = Path(root) / "rank-0-save-returned"
+    seen = None
+    if rank == 0:
+        ckpt.save(1, {"step": 1})  # its collective waits for rank 1; save() must not
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    else:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = marker.exists()
+        ckpt.save(1, {"step": 1})
+    ckpt.wait_for_snapshot()
+    ckpt.flush()
+    records = ckpt.drain_completed()
+    ckpt.close()
+    return {"seen": seen, "records": [(r.step, r.error, r.persist_skipped) for r in records]}
+
+
+def test_save_returns_before_its_collective_so_a_late_peer_does_not_stall_it(tmp_path):
+    """save() hands the collective (persist results, token counts) to the snapshot
+    thread: rank 0's save returns while rank 1 has not even called save yet, and the
+    checkpoint still completes on both."""
+    results = run_ranks(_save_while_the_peer_is_late, 2, str(tmp_path / "ckpt"))
+    assert results[1]["seen"] is True
+    for res in results:
+        assert res["records"] == [(1, None, False)]
 
 
 def _exchange_on(rank: int, world: int) -> list:
