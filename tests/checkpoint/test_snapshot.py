@@ -113,3 +113,21 @@ def test_stale_jobs_of_dead_owners_are_removed_but_not_ours_or_live_ones():
     removed = remove_stale_jobs(keep="ours")
     assert [p.name for p in removed] == ["moc-dead"]
     assert job_dir("alive").exists() and job_dir("ours").exists()
+
+
+def test_a_process_leaving_does_not_wait_for_the_snapshot_thread(tmp_path):
+    """The snapshot thread may sit in a collective whose peers are gone; the process must
+    still exit (a non-daemon worker would hold it until the collective timed out)."""
+    import subprocess
+    import sys
+
+    code = ("import threading, time\n"
+            "from moc.checkpoint.snapshot import SnapshotStore\n"
+            "store = SnapshotStore('job', rank=0)\n"
+            "started = threading.Event()\n"
+            "store.submit(lambda: (started.set(), time.sleep(3600)))\n"
+            "started.wait()\n"
+            "raise SystemExit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "MOC_SHM_ROOT": str(tmp_path)})
+    assert r.returncode == 3, r.stderr
