@@ -184,8 +184,10 @@ class TwoLevelCheckpointer(Checkpointer):
         _, step, ok, error, seconds, bytes_per_rank = msg
         rec = self._records.get(step)
         if rec is not None:
-            rec.persist_s, rec.bytes_per_rank = seconds, bytes_per_rank
             rec.error = None if ok else error
+            rec.bytes_per_rank = bytes_per_rank
+            # Last: the caller's thread may drain the record as soon as this is set.
+            rec.persist_s = seconds
 
     def _share_done(self, block: bool, counts: torch.Tensor | None = None) -> None:
         """Collective: every rank learns the same persist results and applies them; with
