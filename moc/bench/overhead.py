@@ -258,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {"preset": args.config, "nproc": args.nproc, "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
                          "wall_s": time.perf_counter() - t0},
-              "limits": limits, "strategies": strategies}
+              "limits": limits, "strategies": strategies,
+              # Each round's figures: on a shared machine the spread between rounds is
+              # as telling as the median.
+              "rounds": rounds}
     publish("moc bench overhead",
             [("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
                         f"a checkpoint every {args.interval}"),
