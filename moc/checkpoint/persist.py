@@ -4,6 +4,7 @@ A separate process, not a thread of a training process: writing hundreds of MB a
 checksumming them would otherwise contend for the GIL with training.
 
     training rank r  --("ready", rank, step, slot, write, held)-->  persist process
+    training rank r  --("failed", rank, step, error)-->  persist process   (copy failed)
     rank 0           --("persist", step, template)-->   persist process
     persist process  --("done", step, ok, error, s)-->  rank 0
 
@@ -102,6 +103,7 @@ def serve(job: str, root: str, parent_pid: int) -> None:
     # step -> rank -> (slot, keys to write, every key the rank holds)
     ready: dict[int, dict[int, tuple[int, list[str], list[str]]]] = {}
     pending: list[PersistRequest] = []
+    failed: dict[int, str] = {}  # step -> why a rank's snapshot of it failed
     while True:
         if not _alive(parent_pid):
             return  # rank 0 is gone: finish nothing, commit nothing
@@ -113,11 +115,20 @@ def serve(job: str, root: str, parent_pid: int) -> None:
             if msg[0] == "ready":
                 _, rank, step, slot, write, held = msg
                 ready.setdefault(step, {})[rank] = (slot, write, held)
+            elif msg[0] == "failed":
+                _, rank, step, error = msg
+                failed.setdefault(step, f"rank {rank}'s snapshot of step {step} failed: "
+                                        f"{error}")
             elif msg[0] == "persist":
                 pending.append(msg[1])
             elif msg[0] == "stop":
                 return
-        if pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
+        if pending and pending[0].step in failed:
+            # A rank will never report this snapshot ready: nothing to write or commit.
+            req = pending.pop(0)
+            ready.pop(req.step, None)
+            result = ("done", req.step, False, failed.pop(req.step), 0.0, None)
+        elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
             req = pending.pop(0)
             t0 = time.perf_counter()
             time.sleep(float(os.environ.get(STALL_ENV, "0")))
@@ -128,13 +139,17 @@ def serve(job: str, root: str, parent_pid: int) -> None:
                 result = ("done", req.step, False,
                           f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}",
                           time.perf_counter() - t0, None)
-            for old in [s for s in ready if s < req.step]:
-                ready.pop(old)
-            if rank0:
-                try:
-                    rank0[0].send(result)
-                except OSError:
-                    return
+        else:
+            continue
+        for old in [s for s in ready if s < req.step]:
+            ready.pop(old)
+        for old in [s for s in failed if s < req.step]:
+            failed.pop(old)
+        if rank0:
+            try:
+                rank0[0].send(result)
+            except OSError:
+                return
 
 
 def _alive(pid: int) -> bool:

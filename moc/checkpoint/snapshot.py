@@ -222,7 +222,31 @@ class SnapshotStore:
         # experts reuse the slot as it is instead of resizing it.
         offsets, size = _layout(sizing if sizing is not None else tensors)
         buf = self._map(slot, size, allocate=True)
-        on_gpu = any(t.is_cuda for t in tensors.values())
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        on_gpu = device is not None
+        # The current device is per thread, and this runs on the snapshot thread: name
+        # the rank's device, or a rank on cuda:1 would pin, make its stream and copy
+        # against cuda:0, and synchronize a stream its copies never ran on.
+        with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+            views = self._copy(slot, buf, offsets, tensors, ready, on_gpu)
+        entries = {}
+        for key, t in tensors.items():
+            entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
+                                     tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
+        header = SnapshotHeader(step, entries, meta)
+        tmp = self.header_path(slot).with_suffix(".json.tmp")
+        tmp.write_text(header.to_json())
+        tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
+        self._reserve_free_slots(size)
+        return header
+
+    def _copy(self, slot: int, buf: torch.Tensor, offsets: dict[str, int],
+              tensors: dict[str, torch.Tensor], ready: Any, on_gpu: bool
+              ) -> dict[str, torch.Tensor]:
+        """Copy every tensor to its offset in `buf`; the slot's views of them. On a GPU
+        (inside the rank's device context): a side stream that waits for `ready`, into
+        the pinned mapping, and a wait for that stream before returning."""
+        stream = None
         if on_gpu:
             self._pin(slot, buf)
             stream = torch.cuda.Stream()
@@ -236,18 +260,9 @@ class SnapshotStore:
                 if n:
                     dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=on_gpu)
                 views[key] = dst
-        if on_gpu:
+        if stream is not None:
             stream.synchronize()  # blocks this (background) thread until the DMA is done
-        entries = {}
-        for key, t in tensors.items():
-            entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
-                                     tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
-        header = SnapshotHeader(step, entries, meta)
-        tmp = self.header_path(slot).with_suffix(".json.tmp")
-        tmp.write_text(header.to_json())
-        tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
-        self._reserve_free_slots(size)
-        return header
+        return views
 
     def _reserve_free_slots(self, size: int) -> None:
         """Reserve every other slot at this size once, right after the first copy: a
@@ -316,6 +331,8 @@ class SnapshotJob:
     """The whole state the slot is laid out for (default: `tensors`)."""
     on_done: Callable[[SnapshotHeader], None] | None = None
     """Called on the snapshot thread once the snapshot is complete."""
+    on_error: Callable[[BaseException], None] | None = None
+    """Called on the snapshot thread if the copy fails (before wait() raises it)."""
 
 
 class SnapshotHandle:
@@ -362,6 +379,9 @@ class SnapshotHandle:
             except BaseException as e:  # re-raised by wait() on the caller's thread
                 self._error = e
                 self.seconds = time.perf_counter() - t1
+                if job.on_error is not None:
+                    with contextlib.suppress(Exception):  # the copy's error is the report
+                        job.on_error(e)
 
         self._future = store.submit(run)
 

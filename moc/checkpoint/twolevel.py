@@ -267,6 +267,9 @@ class TwoLevelCheckpointer(Checkpointer):
         waits only in `wait_for_snapshot()`, and only if all that outlasts the window.
         The record's fields are final once `drain_completed()` returns it."""
         t0 = time.perf_counter()
+        if step in self._records:
+            raise ValueError(f"step {step} is already being checkpointed (its persist is "
+                             "not reported yet); save each step once")
         self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
         record = CheckpointRecord(step, self.k, 0, 0.0)
         self._records[step] = record
@@ -329,6 +332,13 @@ class TwoLevelCheckpointer(Checkpointer):
                 with contextlib.suppress(OSError):
                     self._send(("ready", g.rank, step, slot, write, held))
 
+        def on_error(error: BaseException) -> None:  # on the snapshot thread
+            if persist_now:
+                # The persist process gives up on this step instead of waiting for a
+                # snapshot that will never be ready; the chain goes on from the last one.
+                with contextlib.suppress(OSError):
+                    self._send(("failed", g.rank, step, f"{type(error).__name__}: {error}"))
+
         if persist_now:
             self._persist_slot, self._persist_step_of_slot = slot, step
             self._persist_step = step
@@ -338,7 +348,8 @@ class TwoLevelCheckpointer(Checkpointer):
                 with contextlib.suppress(OSError):  # reported as failed by _receive
                     self._send(("persist", PersistRequest(step, prev_step, template,
                                                           g.world_size)))
-        return SnapshotJob(slot, snapshot, meta, sizing=state, on_done=on_done)
+        return SnapshotJob(slot, snapshot, meta, sizing=state, on_done=on_done,
+                           on_error=on_error)
 
     def _snapshot_experts(self, prev: dict, persisted: list[list[int]] | None
                           ) -> list[set[int]]:
@@ -389,7 +400,14 @@ class TwoLevelCheckpointer(Checkpointer):
             return None
         t0 = time.perf_counter()
         window = t0 - self._saved_at_time if self._saved_at_time is not None else None
-        header = handle.wait()
+        try:
+            header = handle.wait()
+        except BaseException:
+            # Raised once, here: the checkpointer stays usable (restore, close), and the
+            # failed checkpoint is not reported again as pending.
+            self._handle = None
+            self._records.pop(handle.step, None)
+            raise
         self._handle = None
         self._newest_slot = handle.slot
         if self.auto_k_snapshot and window is not None:
@@ -442,8 +460,13 @@ class TwoLevelCheckpointer(Checkpointer):
         tokens routed to it since that copy are counted as lost. When the replicas of an
         expert came back from different sources ("mixed"), the ones restored from
         storage take the weights of one restored from memory, so replicas never diverge.
+
+        A checkpoint still being taken or persisted finishes first (a rollback in the
+        middle of a run must not race the snapshot thread's collective, nor leave a
+        persist that commits after the restore).
         """
         g = self.groups
+        self.flush()
         if g.rank == 0:
             remove_abandoned(self.root)
         storage = _broadcast(complete_steps(self.root), g)
@@ -598,9 +621,18 @@ class TwoLevelCheckpointer(Checkpointer):
         """Wait for the snapshot and the persist in flight, stop the persist process and
         remove this job's shared memory (unless `keep_snapshots`). Collective."""
         g = self.groups
-        self.flush()
-        if g.distributed:
-            dist.barrier(group=g.side_group)
+        try:
+            self.flush()
+            if g.distributed:
+                dist.barrier(group=g.side_group)
+        finally:
+            self._shutdown(keep_snapshots)
+        super().close()
+
+    def _shutdown(self, keep_snapshots: bool) -> None:
+        """Stop the persist process (rank 0), the snapshot thread and the mappings, also
+        after a failed flush."""
+        g = self.groups
         try:
             if g.rank == 0:
                 with contextlib.suppress(OSError):
@@ -616,7 +648,6 @@ class TwoLevelCheckpointer(Checkpointer):
             self._conn.close()
             if g.rank == 0 and not keep_snapshots:
                 remove_job(self.job)
-        super().close()
 
 
 class _Lazy:

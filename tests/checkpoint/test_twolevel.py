@@ -221,3 +221,47 @@ def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
     monkeypatch.setattr("os.posix_fallocate", no_space)
     with pytest.raises(CheckpointError, match=r"cannot reserve .* shared memory"):
         SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(1000)}, {})
+
+
+def test_a_failed_snapshot_is_raised_once_and_the_chain_goes_on(tmp_path, monkeypatch):
+    """A copy that fails (here: a full /dev/shm) raises once on the caller's thread, its
+    persist is abandoned instead of waited for, and later checkpoints persist as usual."""
+    from moc.checkpoint.errors import CheckpointError
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    records = _train(model, opt, ckpt, 2)
+    ckpt.wait_for_snapshot()  # step 2's copy is done before the shared memory "fills"
+    real_write = ckpt.store.write
+
+    def full_shm(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.store, "write", full_shm)
+    ckpt.save(3, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed.*No space left"):
+        ckpt.wait_for_snapshot()
+    assert ckpt.wait_for_snapshot() is None  # raised once, not at every later call
+    monkeypatch.setattr(ckpt.store, "write", real_write)
+    records += _train(model, opt, ckpt, 2, start=4)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    assert sorted(r.step for r in records if r.error is None) == [1, 2, 4, 5]
+    assert complete_steps(root) == [1, 2, 4, 5]
+    assert verify_checkpoints(root).ok
+
+
+def test_restore_in_the_middle_of_a_run_first_finishes_the_checkpoint_in_flight(tmp_path):
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1)
+    _train(model, opt, ckpt, 3)  # step 3's snapshot and persist are still in flight
+    with pytest.raises(ValueError, match="step 3 is already being checkpointed"):
+        ckpt.save(3, {"step": 3})
+    report = ckpt.restore()
+    # Finished before the restore, not racing it: every record is complete now.
+    assert [r.step for r in ckpt.drain_completed()][-1] == 3
+    assert not ckpt.pending
+    assert (report.step, report.source) == (3, "memory")
+    ckpt.close()
