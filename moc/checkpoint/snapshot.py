@@ -355,7 +355,6 @@ class SnapshotHandle:
         self.seconds = 0.0
         """Time the copy took."""
         self._error: BaseException | None = None
-        self._planned = False
         self.header: SnapshotHeader | None = None
 
         def run() -> None:
@@ -366,7 +365,6 @@ class SnapshotHandle:
             except BaseException as e:  # re-raised as it is by wait()
                 self._error = e
                 return
-            self._planned = True
             self.slot = job.slot
             t1 = time.perf_counter()
             self.plan_s = t1 - t0
@@ -390,7 +388,7 @@ class SnapshotHandle:
         (a failed plan, e.g. a peer lost in its collective, as it is)."""
         self._future.result()  # run() keeps its own errors: this only waits
         if self._error is not None:
-            if not self._planned:
+            if self.slot is None:  # the plan failed
                 raise self._error
             raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
                                   ) from self._error

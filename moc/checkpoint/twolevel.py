@@ -137,9 +137,11 @@ class TwoLevelCheckpointer(Checkpointer):
         self._records: dict[int, CheckpointRecord] = {}
         self._done: list[tuple] = []  # rank 0: persist results not yet shared
         self._send_lock = threading.Lock()
-        # The chain and persist state: changed by the snapshot thread while it plans a
-        # checkpoint (`_plan`), read by the caller's thread in drain_completed().
-        self._lock = threading.RLock()
+        # Held by the snapshot thread while it plans a checkpoint (`_plan`: the chain and
+        # persist state change), tried by the caller's thread in drain_completed(). The
+        # caller's other uses of that state (flush, restore) come after wait_for_snapshot,
+        # when no plan runs.
+        self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         if g.rank == 0:
             remove_stale_jobs(keep=self.job)
@@ -193,10 +195,6 @@ class TwoLevelCheckpointer(Checkpointer):
         """Collective: every rank learns the same persist results and applies them; with
         `counts` (this rank's routed tokens since the last save), the same collective
         also sums them into the ledger."""
-        with self._lock:
-            self._share_done_locked(block, counts)
-
-    def _share_done_locked(self, block: bool, counts: torch.Tensor | None) -> None:
         g = self.groups
         if g.rank == 0:
             self._receive(block)
