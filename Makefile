@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-fast test-slow lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,12 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The unit tier, for your own feedback loop (about a minute): every test but those that
+# start real processes (integration) and the crash sweep (slow).
+test-fast: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow and not integration"
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

@@ -2,22 +2,24 @@
 
     ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
 
-See README.md for the training-loop integration and docs/FORMAT.md for the files.
+Every engine keeps one contract (`moc.CheckpointEngine`, moc/checkpoint/api.py). See
+README.md for the training-loop integration and docs/FORMAT.md for the files.
 """
 
-from moc.checkpoint.checkpointer import Checkpointer, RecoveryReport, SaveStats
+from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
 from moc.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.twolevel import TwoLevelCheckpointer
-from moc.parallel.groups import ParallelGroups
+from moc.checkpoint.sync import Checkpointer
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.topology import ParallelGroups
 
 __version__ = "0.3.0"
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "ExpertSpec",
-           "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "RecoveryReport",
-           "SaveStats", "TwoLevelCheckpointer"]
+__all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
+           "CorruptCheckpointError", "ExpertSpec", "IncompatibleCheckpointError",
+           "PECPolicy", "ParallelGroups", "RecoveryReport", "TwoLevelCheckpointer"]

@@ -21,9 +21,9 @@ DEMO_DIR = Path("runs/demo")
 def check_train_config(cfg: TrainConfig, nproc: int) -> None:
     """Everything that can be checked before starting processes, so that bad input gets
     one clear line instead of a traceback from every rank."""
-    from moc.checkpoint.manifest import Manifest
-    from moc.checkpoint.storage import complete_steps
-    from moc.parallel.layout import ParallelLayout
+    from moc.checkpoint.store.manifest import Manifest
+    from moc.checkpoint.store.steps import complete_steps
+    from moc.topology import ParallelLayout
     from moc.train.data import Corpus
 
     if nproc < 1:
@@ -33,7 +33,7 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
         raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with --nproc {nproc}")
     Corpus.load(cfg.data, cfg.model.seq_len)
     if cfg.ckpt_dir is not None:
-        from moc.checkpoint.dcp_baseline import DCP_MODES, check_dcp_step, complete_dcp_steps
+        from moc.baselines.dcp import DCP_MODES, check_dcp_step, complete_dcp_steps
 
         root = Path(cfg.ckpt_dir)
         steps, dcp_steps = complete_steps(root), complete_dcp_steps(root)

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
 
 

@@ -1,4 +1,21 @@
-"""The checkpoint engine. Depends on torch and moc.parallel only."""
+"""The checkpoint engine: the product. Depends on torch and `moc.topology` only; it
+never imports the reference model, trainer, benchmarks or baselines (enforced by
+tests/test_dependencies.py).
+
+    api.py          the contract every engine keeps, and its result types
+    errors.py       what callers can catch
+    dist.py         every collective, and which thread may use them
+    spec.py         which parameters are experts; stable keys
+    state.py        a rank's state flattened under those keys, and installed back
+    parts.py        the parts every engine is built from
+    policy/         what is saved: PEC selection; the token ledger (PLT, Dynamic-K)
+    plan/           who writes what: write units, their assignment, the chain
+    store/          how it lands: tensor files, step directories, manifest, retention
+    recovery.py     the one restore loop
+    sync.py         `Checkpointer`, the synchronous engine
+    twolevel/       `TwoLevelCheckpointer`: snapshot in memory, background persist
+    tools.py        inspect, verify
+"""
 
 from moc.checkpoint.errors import (
     CheckpointError,

@@ -1,42 +1,77 @@
-"""Find the newest intact checkpoint and load this rank's share of it.
+"""The one restore loop: candidates -> try -> agree -> fall back; and restoring from storage.
 
-Every rank reads only what it holds: its non-expert parameters, its own experts, and
-the optimizer state of the parameters it owns under the sharded optimizer. Because keys
-are per expert and per tensor, the layout at save time does not matter.
+    value, skipped = restore_loop(candidates, attempt, dist)
 
-The ranks agree on the step: each tries the newest complete step, they take the
-minimum of a success flag over the gloo side group, and if any rank met corruption all
-of them fall back to the next older step together.
+Every engine restores through `restore_loop`: the ranks try the same candidates (steps)
+in the same order, each loads its own share of the candidate (`attempt`), and they agree
+on the outcome (`Dist.agree`) before anything else happens. A candidate that failed on
+any rank is skipped by all of them; IncompatibleCheckpointError (a different model, a
+shape that does not fit) is raised on every rank instead, since an older candidate of
+the same directory would not fit either.
+
+Restoring from storage: every rank reads only what it holds, its non-expert parameters,
+its own experts, and the optimizer state of the parameters it owns; because keys are per
+expert and per tensor, the layout at save time does not matter.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from moc.checkpoint.api import RecoveryReport
+from moc.checkpoint.dist import Dist, describe, raise_failures
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from moc.checkpoint.manifest import Manifest
-from moc.checkpoint.optim_state import OptimizerState
-from moc.checkpoint.spec import (
-    ExpertSpec,
-    dense_key,
-    expert_key,
-    flatten_params,
-    load_params,
-    optimizer_state,
-    rng_key,
-)
-from moc.checkpoint.storage import TensorReader, complete_steps
-from moc.parallel.groups import ParallelGroups
+from moc.checkpoint.plan.chain import ChainState
+from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.state import RankState
+from moc.checkpoint.store.format import TensorReader
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import complete_steps, remove_abandoned, set_aside
 
 log = logging.getLogger(__name__)
+
+C = TypeVar("C")
+T = TypeVar("T")
+
+
+def restore_loop(candidates: Iterable[C], attempt: Callable[[C], T], dist: Dist, *,
+                 skip: tuple[type[BaseException], ...] = (CorruptCheckpointError,),
+                 label: Callable[[C], str] = str) -> tuple[T | None, list[tuple[C, str]]]:
+    """The first candidate that `attempt` loads on every rank, and the (candidate, reason)
+    of those skipped before it. Collective: `candidates` must be the same on every rank.
+
+    `attempt(candidate)` loads this rank's share or raises: an error of a `skip` type
+    makes every rank move on to the next candidate, IncompatibleCheckpointError is raised
+    on every rank, anything else propagates (a bug, not a bad checkpoint).
+    """
+    skipped: list[tuple[C, str]] = []
+    for candidate in candidates:
+        value, error = None, None
+        try:
+            value = attempt(candidate)
+        # Errors are kept without their traceback, which holds this frame, which holds
+        # the error: that cycle kept the process groups alive until interpreter exit,
+        # where tearing gloo down then aborted the process (seen in tests).
+        except IncompatibleCheckpointError as e:
+            error = e.with_traceback(None)
+        except skip as e:
+            error = e.with_traceback(None)
+        failures = dist.agree(error)
+        if any(f.kind == IncompatibleCheckpointError.__name__ for f in failures):
+            raise_failures(failures, dist.world_size)
+        if not failures:
+            return value, skipped
+        reason = describe(failures, dist.world_size)
+        log.warning("%s is not usable (%s); trying an older one", label(candidate), reason)
+        skipped.append((candidate, reason))
+    return None, skipped
 
 
 class CheckpointReader:
@@ -61,15 +96,14 @@ class CheckpointReader:
         return self._readers[path].read(key, entry.crc32)
 
     def state_names(self, prefix: str) -> list[str]:
-        """Names of the optimizer state tensors stored under `prefix/`."""
-        return sorted({k[len(prefix) + 1:] for k in self.manifest.entries
-                       if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
+        return _state_names(self.manifest.entries, prefix)
 
 
 class DictReader:
-    """The CheckpointReader interface over tensors already in memory (a snapshot)."""
+    """The reader interface over tensors already in memory (a snapshot), or over lazy
+    ones: a value with a `load()` method is read only when it is used."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, Any]) -> None:
         self.tensors = tensors
 
     def __contains__(self, key: str) -> bool:
@@ -78,102 +112,93 @@ class DictReader:
     def get(self, key: str) -> torch.Tensor:
         if key not in self.tensors:
             raise CorruptCheckpointError(f"the snapshot has no key {key!r}")
-        return self.tensors[key]
+        t = self.tensors[key]
+        return t if isinstance(t, torch.Tensor) else t.load()
 
     def state_names(self, prefix: str) -> list[str]:
-        return sorted({k[len(prefix) + 1:] for k in self.tensors
-                       if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
+        return _state_names(self.tensors, prefix)
+
+
+class LazyKey:
+    """One key of a checkpoint on storage, read (and checked) only if it is used."""
+
+    def __init__(self, reader: CheckpointReader, key: str) -> None:
+        self.reader, self.key = reader, key
+
+    def load(self) -> torch.Tensor:
+        return self.reader.get(self.key)
+
+
+def _state_names(keys: Iterable[str], prefix: str) -> list[str]:
+    """Names of the optimizer state tensors stored under `prefix/`."""
+    return sorted({k[len(prefix) + 1:] for k in keys
+                   if k.startswith(prefix + "/") and "/" not in k[len(prefix) + 1:]})
 
 
 @dataclass
-class RestoreResult:
-    step: int
+class StorageRestore:
+    """What `restore_from_storage` restored."""
+
     manifest: Manifest
-    source: str = "storage"
-    recovery_s: float = 0.0
+    recovery_s: float
     skipped: list[str] = field(default_factory=list)
-    """Newer steps that were found corrupt and skipped, with the reason."""
+    """Newer steps found corrupt and skipped, with the reason."""
     skipped_steps: list[int] = field(default_factory=list)
 
-
-def load_rank_state(reader: CheckpointReader | DictReader, model: nn.Module,
-                    optimizer: OptimizerState, spec: ExpertSpec, rank: int) -> None:
-    """Install this rank's share of a checkpoint: its parameters, the optimizer state
-    of the parameters it owns, its RNG. Everything is read (and checked) before anything
-    is installed, so a corrupt key never leaves a half-loaded model."""
-    params = {k: reader.get(k) for k in flatten_params(model, spec)}
-    experts = spec.by_name()
-    named = dict(model.named_parameters())
-    owned = {n: named[n] for n in optimizer.owned_names()}
-    names = {}
-    for n in owned:
-        if n in experts:
-            prefix = expert_key("optim", experts[n].stem, experts[n].global_ids[0])
-        else:
-            prefix = dense_key("optim", n)
-        names[n] = reader.state_names(prefix)
-    with_state = {n: p for n, p in owned.items() if names[n]}
-    states = optimizer_state(with_state, names, spec, reader.get)
-    rng = reader.get(rng_key(rank)) if rng_key(rank) in reader else None
-
-    load_params(model, spec, params.__getitem__)
-    optimizer.load_local_state(states)
-    if rng is not None:
-        torch.set_rng_state(rng.clone())  # a view into a mapped file would crash it
+    @property
+    def step(self) -> int:
+        return self.manifest.step
 
 
-def _agree(status: tuple[str, str], groups: ParallelGroups) -> list[tuple[str, str]]:
-    """Every rank's (status, message) for one step, on every rank."""
-    if not groups.distributed:
-        return [status]
-    out: list = [None] * groups.world_size
-    dist.all_gather_object(out, status, group=groups.side_group)
-    return out
-
-
-def _candidate_steps(root: Path, groups: ParallelGroups) -> list[int]:
-    """Complete steps, newest first, as rank 0 lists them: every rank must try the same
-    steps in the same order, even where a shared file system shows them stale lists."""
-    steps = [list(reversed(complete_steps(root)))]
-    if groups.distributed:
-        dist.broadcast_object_list(steps, src=0, group=groups.side_group)
-    return steps[0]
-
-
-def restore_latest(root: Path, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
-                   groups: ParallelGroups, model_meta: dict[str, Any]) -> RestoreResult | None:
+def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any]
+                         ) -> StorageRestore | None:
     """Load the newest step every rank can read intact; None when there is none.
+    Raises CorruptCheckpointError when there are steps but every one is corrupt.
 
-    Collective over the side group: the ranks try the same steps in the same order and
-    agree on each outcome. A step any rank finds corrupt is skipped by all of them.
-    IncompatibleCheckpointError (a different model, a shape that does not fit) is raised
-    on every rank, not skipped: an older step of the same directory would not fit either.
+    The candidates are the complete steps as rank 0 lists them: every rank must try the
+    same steps in the same order, even where a shared file system shows stale lists.
     """
     t0 = time.perf_counter()
-    skipped, skipped_steps = [], []
-    for step in _candidate_steps(root, groups):
-        status = ("ok", "")
-        try:
-            manifest = Manifest.load(root, step)
-            manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
-            load_rank_state(CheckpointReader(root, manifest), model, optimizer, spec,
-                             groups.rank)
-        except IncompatibleCheckpointError as e:
-            status = ("incompatible", str(e))
-        except CorruptCheckpointError as e:
-            status = ("corrupt", str(e))
-        statuses = _agree(status, groups)
-        for kind, message in statuses:
-            if kind == "incompatible":
-                raise IncompatibleCheckpointError(message)
-        if all(kind == "ok" for kind, _ in statuses):
-            return RestoreResult(step, manifest, "storage", time.perf_counter() - t0, skipped,
-                                 skipped_steps)
-        reason = next(message for kind, message in statuses if kind == "corrupt")
-        log.warning("checkpoint step %d is not usable (%s); trying an older one", step, reason)
-        skipped.append(f"step {step}: {reason}")
-        skipped_steps.append(step)
-    if skipped:
-        raise CorruptCheckpointError(
-            f"{root}: no intact checkpoint; every step failed: {'; '.join(skipped)}")
-    return None
+    steps = dist.broadcast(list(reversed(complete_steps(root))))
+
+    def attempt(step: int) -> Manifest:
+        manifest = Manifest.load(root, step)
+        manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
+        state.load(CheckpointReader(root, manifest))
+        return manifest
+
+    manifest, skipped = restore_loop(steps, attempt, dist,
+                                     label=lambda step: f"checkpoint step {step}")
+    reasons = [f"step {step}: {reason}" for step, reason in skipped]
+    if manifest is None:
+        if skipped:
+            raise CorruptCheckpointError(
+                f"{root}: no intact checkpoint; every step failed: {'; '.join(reasons)}")
+        return None
+    return StorageRestore(manifest, time.perf_counter() - t0, reasons,
+                          [step for step, _ in skipped])
+
+
+def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any],
+                        chain: ChainState, ledger: TokenLedger) -> RecoveryReport | None:
+    """Restore the newest intact step on storage and continue its chain: abandoned
+    `.tmp` directories are removed and corrupt newer steps set aside (rank 0), the chain
+    continues from the manifest restored, and the ledger accounts what the recovery lost
+    (every expert came back from its newest persisted copy). Collective."""
+    if dist.rank == 0:
+        remove_abandoned(root)
+    dist.barrier()
+    result = restore_from_storage(root, state, dist, model_meta)
+    if result is None:
+        return None
+    if dist.rank == 0:
+        for step, reason in zip(result.skipped_steps, result.skipped, strict=True):
+            set_aside(root, step, reason)
+    manifest = result.manifest
+    chain.advance(manifest)
+    ledger.load_json(manifest.tokens)
+    plt = ledger.recover(ledger.at_save, manifest.policy)
+    ledger.all_saved()
+    return RecoveryReport(result.step, manifest.extra, "storage", result.recovery_s,
+                          plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k, plt.k_before,
+                          result.skipped)

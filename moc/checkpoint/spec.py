@@ -21,9 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moc.checkpoint.errors import IncompatibleCheckpointError
-from moc.model.transformer import Experts
-
 
 @dataclass(frozen=True)
 class ExpertParam:
@@ -114,11 +111,13 @@ class ExpertSpec:
     @classmethod
     def infer(cls, model: nn.Module, *, n_experts: int | None = None,
               expert_offset: Offset | None = None) -> ExpertSpec:
-        """Find the expert containers: moc's `Experts` modules, and any module named
-        `experts` (an `nn.ModuleList` of experts or a module of batched tensors), in
-        the order `named_modules()` visits them. Raises ValueError when there is none."""
-        modules = [name for name, m in model.named_modules()
-                   if isinstance(m, Experts) or name.rsplit(".", 1)[-1] == "experts"]
+        """Find the expert containers by their structure, in the order `named_modules()`
+        visits them: any module named `experts` (an `nn.ModuleList` of experts or a
+        module of batched tensors), and any module that declares `expert_offset` (the
+        global id of its local expert 0, as moc's own `Experts` does) and holds batched
+        parameters. No model class is imported: a model this package has never seen is
+        recognised the same way. Raises ValueError when there is none."""
+        modules = [name for name, m in model.named_modules() if _is_expert_container(name, m)]
         if not modules:
             raise ValueError("ExpertSpec.infer found no expert container (a module named "
                              "'experts'); build the spec with ExpertSpec.from_modules")
@@ -154,7 +153,16 @@ def rng_key(rank: int) -> str:
     return f"rng/rank={rank}"
 
 
-def _slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+def param_key_of(optim_key: str) -> str:
+    """The parameter key (`param/<name>` or `param/<stem>/expert=<g>`) whose optimizer
+    state `optim_key` is."""
+    parsed = parse_expert_key(optim_key)
+    if parsed is not None:
+        return expert_key("param", parsed[1], parsed[2])
+    return "param/" + optim_key[len("optim/"):].rsplit("/", 1)[0]
+
+
+def slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """(global id, that expert's part of `t`) for each expert `t` holds; views."""
     if ep.expert_dim is None:
         yield ep.global_ids[0], t.detach()
@@ -163,92 +171,12 @@ def _slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tenso
         yield gid, t.detach().select(ep.expert_dim, i)
 
 
-def flatten_params(model: nn.Module, spec: ExpertSpec) -> dict[str, torch.Tensor]:
-    """Every parameter of this process under its stable key(s); views, no copies."""
-    experts = spec.by_name()
-    out = {}
-    for name, p in model.named_parameters():
-        if name in experts:
-            for gid, t in _slices(experts[name], p):
-                out[expert_key("param", experts[name].stem, gid)] = t
-        else:
-            out[dense_key("param", name)] = p.detach()
-    return out
+def _is_expert_container(name: str, module: nn.Module) -> bool:
+    if name.rsplit(".", 1)[-1] == "experts":
+        return True
+    if getattr(module, "expert_offset", None) is None:
+        return False
+    direct = list(module.parameters(recurse=False))
+    return bool(direct) and all(p.dim() >= 1 for p in direct)
 
 
-def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSpec
-                      ) -> dict[str, torch.Tensor]:
-    """Optimizer state by parameter name -> stable keys. A scalar state of an expert
-    tensor (AdamW's `step`) is stored once per expert, so each expert stands alone."""
-    experts = spec.by_name()
-    out = {}
-    for name, state in states.items():
-        for s_name, t in state.items():
-            if not isinstance(t, torch.Tensor):
-                t = torch.tensor(t)
-            if name not in experts:
-                out[dense_key("optim", name, s_name)] = t.detach()
-                continue
-            ep = experts[name]
-            if t.dim() == 0:
-                for gid in ep.global_ids:
-                    out[expert_key("optim", ep.stem, gid, s_name)] = t.detach()
-                continue
-            for gid, piece in _slices(ep, t):
-                out[expert_key("optim", ep.stem, gid, s_name)] = piece
-    return out
-
-
-Getter = Callable[[str], torch.Tensor]
-
-
-def _fetch(get: Getter, key: str, like: torch.Tensor) -> torch.Tensor:
-    t = get(key)
-    if tuple(t.shape) != tuple(like.shape):
-        raise IncompatibleCheckpointError(
-            f"{key}: checkpoint shape {tuple(t.shape)} does not fit the model's "
-            f"{tuple(like.shape)}")
-    return t
-
-
-@torch.no_grad()
-def load_params(model: nn.Module, spec: ExpertSpec, get: Getter) -> None:
-    """Copy every parameter of this process from `get(key)`."""
-    experts = spec.by_name()
-    for name, p in model.named_parameters():
-        if name in experts:
-            for gid, dst in _slices(experts[name], p):
-                dst.copy_(_fetch(get, expert_key("param", experts[name].stem, gid), dst))
-        else:
-            p.copy_(_fetch(get, dense_key("param", name), p))
-
-
-def optimizer_state(params: dict[str, torch.Tensor], state_names: dict[str, list[str]],
-                    spec: ExpertSpec, get: Getter) -> dict[str, dict[str, torch.Tensor]]:
-    """Rebuild optimizer state by parameter name for the given (owned) parameters.
-
-    `state_names[name]` lists the state tensors to load (e.g. step, exp_avg, exp_avg_sq).
-    Expert slices are stacked back along the expert dim; a scalar shared by a batched
-    expert tensor (AdamW's `step`) takes the largest of its experts' values.
-    """
-    experts = spec.by_name()
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in params.items():
-        out[name] = {}
-        for s_name in state_names[name]:
-            if name not in experts:
-                out[name][s_name] = get(dense_key("optim", name, s_name))
-                continue
-            ep = experts[name]
-            pieces = [get(expert_key("optim", ep.stem, gid, s_name)) for gid in ep.global_ids]
-            if ep.expert_dim is None:
-                out[name][s_name] = pieces[0]
-            elif pieces[0].dim() == 0:
-                out[name][s_name] = torch.stack(pieces).max()
-            else:
-                out[name][s_name] = torch.stack(pieces, dim=ep.expert_dim)
-            if out[name][s_name].dim() and out[name][s_name].shape != p.shape:
-                raise IncompatibleCheckpointError(
-                    f"optimizer state {s_name} of {name}: checkpoint shape "
-                    f"{tuple(out[name][s_name].shape)} does not fit {tuple(p.shape)}")
-    return out

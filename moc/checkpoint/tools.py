@@ -23,10 +23,10 @@ from moc.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.storage import MANIFEST, complete_steps, step_dir
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
 
 ALL = "all"
 """Shown for K and experts_saved when a step saved every expert (no partial policy)."""

@@ -7,9 +7,8 @@ from moc.parallel.grads import (
     split_parameters,
     sync_gradients,
 )
-from moc.parallel.groups import ParallelGroups
-from moc.parallel.layout import ParallelLayout
 from moc.parallel.optim import ShardedAdamW
+from moc.topology import ParallelGroups, ParallelLayout
 
 __all__ = ["AllToAllDispatcher", "ParallelGroups", "ParallelLayout", "ShardedAdamW",
            "clip_grad_norm_", "expert_parameter_names", "shard_experts", "split_parameters",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moc.model.transformer import Experts, MoE, local_dispatch
-from moc.parallel.groups import ParallelGroups
+from moc.topology import ParallelGroups
 
 
 class _AllToAll(torch.autograd.Function):

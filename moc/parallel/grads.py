@@ -14,7 +14,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moc.model.transformer import Experts
-from moc.parallel.groups import ParallelGroups
+from moc.topology import ParallelGroups
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:

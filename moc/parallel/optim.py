@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from moc.checkpoint.state import load_named_state
 from moc.parallel.grads import split_parameters
-from moc.parallel.groups import ParallelGroups
+from moc.topology import ParallelGroups
 
 
 class ShardedAdamW:
@@ -100,15 +101,3 @@ class ShardedAdamW:
         for local in self._local():
             load_named_state(local, self._name_of, states)
 
-
-def load_named_state(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
-                     states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Replace the state of every parameter of `optimizer` by `states[name]` (copied to
-    the parameter's device; scalars such as AdamW's `step` stay on the CPU)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state.pop(p, None)
-            state = states.get(name_of[id(p)])
-            if state:
-                optimizer.state[p] = {k: v.to(p.device if v.dim() else "cpu").clone()
-                                      for k, v in state.items()}

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moc.checkpoint.checkpointer import Checkpointer, SaveStats
-from moc.checkpoint.dcp_baseline import DCP_MODES, DCPCheckpointer
-from moc.checkpoint.plan import imbalance
-from moc.checkpoint.selection import PECPolicy
-from moc.checkpoint.snapshot import remove_job
-from moc.checkpoint.twolevel import CheckpointRecord, TwoLevelCheckpointer
+from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
+from moc.baselines.dcp import DCP_MODES, DCPCheckpointer
+from moc.checkpoint.api import CheckpointEngine, CheckpointResult
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.sync import Checkpointer
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.slots import default_job_id, remove_job
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
@@ -69,8 +70,8 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
-                       checkpointer: object) -> None:
+def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter
+                       ) -> None:
     """SIGKILL this process on `--fault-rank` at `--fault-at` on the first attempt only
     (a restarted job must get past the step that killed it), or with `--fault-every F` at
     step (r + 1) F on attempt r: each restart resumes before its attempt's fault step and
@@ -86,8 +87,8 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
     if cfg.fault_rank == rank:
         metrics.close()
-        if cfg.fault_kind == "node" and isinstance(checkpointer, TwoLevelCheckpointer):
-            remove_job(checkpointer.job)
+        if cfg.fault_kind == "node" and cfg.ckpt_dir is not None:
+            remove_job(default_job_id(cfg.ckpt_dir))  # this job's node-local snapshots
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -131,33 +132,32 @@ class Trainer:
         self.sampler = BatchSampler(len(self.corpus.train), cfg.model.seq_len,
                                     cfg.batch_size * world, cfg.seed)
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
-        self.checkpointer = None
-        if cfg.ckpt_dir is not None and cfg.ckpt_mode == "moc":
-            self.checkpointer = TwoLevelCheckpointer(
-                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
-                policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
-                model_meta=self.model_meta(), persist_policy=cfg.persist_policy,
-                k_snapshot=cfg.k_snapshot)
-        elif cfg.ckpt_dir is not None and cfg.ckpt_mode in DCP_MODES:
-            self.checkpointer = DCPCheckpointer(
-                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
-                mode=cfg.ckpt_mode, interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
-                model_meta=self.model_meta())
-        elif cfg.ckpt_dir is not None and cfg.ckpt_mode != "none":
-            self.checkpointer = Checkpointer(
-                self.model, self.optimizer, cfg.ckpt_dir, groups=self.groups,
-                policy=self.policy(), interval=cfg.ckpt_interval, keep_last=cfg.keep_last,
-                model_meta=self.model_meta(), mode=cfg.ckpt_mode,
-                sharded=cfg.ckpt_mode == "pec" and cfg.shard)
-        # Saves that finish in the background report through `drain_completed()` (moc's
-        # two-level checkpointer, the DCP baselines); decided once, not every step.
-        self._asynchronous = hasattr(self.checkpointer, "drain_completed")
+        self.checkpointer = self.make_checkpointer()
         self.step = 0
+
+    def make_checkpointer(self) -> CheckpointEngine | None:
+        """The engine of `--ckpt-mode`; the loop drives every one through the contract."""
+        cfg = self.cfg
+        if cfg.ckpt_dir is None or cfg.ckpt_mode == "none":
+            return None
+        common: dict[str, Any] = {"groups": self.groups, "interval": cfg.ckpt_interval,
+                                  "keep_last": cfg.keep_last, "model_meta": self.model_meta()}
+        if cfg.ckpt_mode == "moc":
+            return TwoLevelCheckpointer(self.model, self.optimizer, cfg.ckpt_dir,
+                                        policy=self.policy(), persist_policy=cfg.persist_policy,
+                                        k_snapshot=cfg.k_snapshot, **common)
+        if cfg.ckpt_mode in DCP_MODES:
+            return DCPCheckpointer(self.model, self.optimizer, cfg.ckpt_dir, mode=cfg.ckpt_mode,
+                                   **common)
+        if cfg.ckpt_mode == "blocking":
+            return blocking_checkpointer(self.model, self.optimizer, cfg.ckpt_dir, **common)
+        # pec; --no-shard keeps the baseline's placement (rank 0 and EP group 0 write)
+        return Checkpointer(self.model, self.optimizer, cfg.ckpt_dir, policy=self.policy(),
+                            mode=cfg.ckpt_mode,
+                            placement=None if cfg.shard else MegatronPlacement(), **common)
 
     def policy(self) -> PECPolicy:
         cfg = self.cfg
-        if cfg.ckpt_mode == "blocking":
-            return PECPolicy.full()
         return PECPolicy(k=cfg.k_persist, selection=cfg.selection, apply_to=cfg.pec_apply,
                          dynamic_k=cfg.dynamic_k, plt_threshold=cfg.plt_threshold)
 
@@ -241,41 +241,33 @@ class Trainer:
         self.model.train()
         while self.step < cfg.steps:
             self.step += 1
-            maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
+            maybe_inject_fault(cfg, self.step, self.rank, self.metrics)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
             # Nothing checkpoint-related is built on steps that do not checkpoint.
-            due = self.checkpointer is not None and self.step % cfg.ckpt_interval == 0
-            stats = self.checkpointer.save(self.step, self.extra_state()) if due else None
+            ckpt = self.checkpointer
+            if ckpt is not None and self.step % ckpt.interval == 0:
+                ckpt.save(self.step, self.extra_state())
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                               tokens=tokens, lr=cfg.lr_at(self.step))
             note = ""
-            if isinstance(stats, SaveStats):
-                note = self._report(result, _save_event(stats), progress)
-            elif self._asynchronous and self.checkpointer.pending:
-                for rec in self.checkpointer.drain_completed():
-                    if rec.k_snapshot_chosen:
-                        self.metrics.emit("k_snapshot", step=rec.step,
-                                          k=rec.k_snapshot_chosen["k_snapshot"],
-                                          window_s=rec.k_snapshot_chosen["window_s"],
-                                          plan_s=rec.k_snapshot_chosen["plan_s"],
-                                          copy_Bps=rec.k_snapshot_chosen["copy_Bps"])
-                        progress.message(f"K_snapshot = {rec.k_snapshot} (auto)")
-                    note = self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
+            if ckpt is not None and ckpt.pending:
+                for res in ckpt.drain_completed():
+                    note = self._report(result, res, progress)
             progress.update(self.step, loss, note)
-        if self._asynchronous:
+        if self.checkpointer is not None:
             self.checkpointer.flush()
-            for rec in self.checkpointer.drain_completed():
-                self._report(result, _record_event(rec, cfg.ckpt_mode), progress)
+            for res in self.checkpointer.drain_completed():
+                self._report(result, res, progress)
         self.model.eval()
         result.final_loss = loss
         result.val_loss = self.validate()
         result.wall_s = time.perf_counter() - t0
         memory: dict[str, Any] = {
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        if isinstance(self.checkpointer, TwoLevelCheckpointer):
+        if self.checkpointer is not None:
             memory.update(self.checkpointer.host_memory())
         self.metrics.emit("summary", steps=self.step, final_loss=result.final_loss,
                           val_loss=result.val_loss, wall_s=result.wall_s, **memory)
@@ -283,8 +275,15 @@ class Trainer:
             progress.message(self.summary(result))
         return result
 
-    def _report(self, result: RunResult, event: dict[str, Any], progress: Progress) -> str:
+    def _report(self, result: RunResult, res: CheckpointResult, progress: Progress) -> str:
         """Log one finished checkpoint; the progress bar's note for it."""
+        if res.k_snapshot_chosen:
+            chosen = res.k_snapshot_chosen
+            self.metrics.emit("k_snapshot", step=res.step, k=chosen["k_snapshot"],
+                              window_s=chosen["window_s"], plan_s=chosen["plan_s"],
+                              copy_Bps=chosen["copy_Bps"])
+            progress.message(f"K_snapshot = {res.k_snapshot} (auto)")
+        event = res.event()
         error = event.pop("error")
         if error:
             self.metrics.emit("checkpoint_failed", step=event["step"], error=error)
@@ -322,22 +321,3 @@ class Trainer:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _save_event(stats: SaveStats) -> dict[str, Any]:
-    """The checkpoint event of a synchronous save (blocking, pec)."""
-    return {"step": stats.step, "stall_s": stats.stall_s, "bytes": stats.bytes,
-            "bytes_per_rank": stats.bytes_per_rank, "imbalance": stats.imbalance,
-            "mode": stats.mode, "k": stats.k, "experts_saved": stats.n_experts_saved,
-            "error": stats.error}
-
-
-def _record_event(rec: CheckpointRecord, mode: str) -> dict[str, Any]:
-    """The checkpoint event of an asynchronous checkpoint (moc, dcp-async), once its
-    persist is done."""
-    per_rank = rec.bytes_per_rank or []
-    return {"step": rec.step, "stall_s": rec.stall_s, "bytes": sum(per_rank),
-            "bytes_per_rank": per_rank, "imbalance": imbalance(per_rank) if per_rank else None,
-            "mode": mode, "k": rec.k, "experts_saved": rec.experts_saved,
-            "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s,
-            "k_snapshot": rec.k_snapshot,
-            "persist_skipped": rec.persist_skipped, "error": rec.error}

@@ -5,15 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moc.checkpoint.checkpointer import Checkpointer
-from moc.checkpoint.manifest import Manifest
-from moc.checkpoint.selection import PECPolicy
+from moc.baselines.blocking import MegatronPlacement
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.sync import Checkpointer
 from tests.distributed import build_sharded, run_ranks
+from tests.engines import save_now
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
 
 def _save_load_aware(rank: int, world: int, root: str, sharded: bool) -> dict:
     groups, model, opt = build_sharded(2)
-    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1, sharded=sharded,
+    ckpt = Checkpointer(model, opt, root, groups=groups, interval=1,
+                        placement=None if sharded else MegatronPlacement(),
                         policy=PECPolicy(k=1, selection="load-aware"))
     ckpt.save(0)
     # Ranks see different local routing; only the sum over ranks may decide.
@@ -21,7 +26,7 @@ def _save_load_aware(rank: int, world: int, root: str, sharded: bool) -> dict:
     local[0, rank] = 10 + rank     # layer 0: ranks 0..3 vote for experts 0..3
     local[1, 3 - rank] = 5         # layer 1: a tie broken by staleness, then id
     ckpt.record_routing(local)
-    stats = ckpt.save(1)
+    stats = save_now(ckpt, 1)
     return {"selected": stats.experts_saved, "bytes": stats.bytes_per_rank}
 
 
@@ -43,24 +48,24 @@ def test_load_aware_selection_is_identical_on_every_rank(tmp_path, sharded):
 
 
 def _one_rank_fails(rank: int, world: int, root: str) -> list[object]:
-    import moc.checkpoint.checkpointer as engine
+    import moc.checkpoint.store.format as tensor_files
 
     groups, model, opt = build_sharded(2)
     ckpt = Checkpointer(model, opt, root, groups=groups, interval=1, policy=PECPolicy(k=1))
-    results: list[object] = [ckpt.save(1).ok]
-    real_write = engine.write_safetensors
+    results: list[object] = [save_now(ckpt, 1).ok]
+    real_write = tensor_files.write_safetensors
     if rank == 1:
         def failing(path, tensors):
             raise OSError(5, "Input/output error")
-        engine.write_safetensors = failing
-    failed = ckpt.save(2)
-    engine.write_safetensors = real_write
-    results += [failed.ok, failed.error, ckpt.save(3).ok]
+        tensor_files.write_safetensors = failing
+    failed = save_now(ckpt, 2)
+    tensor_files.write_safetensors = real_write
+    results += [failed.ok, failed.error, save_now(ckpt, 3).ok]
     return results
 
 
 def test_a_failed_write_on_one_rank_fails_the_step_on_every_rank_without_hanging(tmp_path):
-    from moc.checkpoint.storage import complete_steps
+    from moc.checkpoint.store.steps import complete_steps
 
     results = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=120)
     for ok1, ok2, error, ok3 in results:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from moc.checkpoint.checkpointer import Checkpointer
-from moc.checkpoint.manifest import Manifest
-from moc.checkpoint.selection import PECPolicy
+from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.sync import Checkpointer
 
 N_EXPERTS = 4
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moc.checkpoint.checkpointer import Checkpointer
 from moc.checkpoint.errors import IncompatibleCheckpointError
-from moc.checkpoint.selection import PECPolicy
-from moc.checkpoint.spec import ExpertSpec, flatten_optimizer, flatten_params
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.state import flatten_optimizer, flatten_params
+from moc.checkpoint.sync import Checkpointer
 from moc.model import ModelConfig
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
+from tests.engines import save_now
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
 
 def _global_state(model, opt) -> dict[str, torch.Tensor]:
@@ -32,7 +36,7 @@ def _save(rank: int, world: int, ep: int, root: str) -> dict[str, torch.Tensor]:
         opt.step()
         model.zero_grad()
     ckpt = Checkpointer(model, opt, root, groups=groups, policy=PECPolicy.full())
-    assert ckpt.save(3).ok
+    assert save_now(ckpt, 3).ok
     return _global_state(model, opt)
 
 

@@ -9,15 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moc.checkpoint.manifest import Entry, Manifest
-from moc.checkpoint.storage import (
-    MANIFEST,
-    begin_step,
-    commit_step,
-    rank_file,
-    step_dir,
-    write_safetensors,
-)
+from moc.checkpoint.store.format import write_safetensors
+from moc.checkpoint.store.manifest import Entry, Manifest
+from moc.checkpoint.store.steps import MANIFEST, begin_step, commit_step, rank_file, step_dir
 from moc.checkpoint.tools import expert_ages, inspect_checkpoints, verify_checkpoints
 from moc.cli import main
 
@@ -295,6 +289,7 @@ def test_corrupt_manifest_fails_verify(tmp_path):
     assert "step-00000020/manifest.json" in report.bad_files
 
 
+@pytest.mark.integration
 def test_verify_exit_code_end_to_end(tmp_path):
     _partial_chain(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -16,6 +16,8 @@ from moc.parallel import (
 )
 from tests.distributed import run_ranks
 
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
 CFG = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ffn=64, n_experts=4,
                   top_k=2, moe_every=1)
 PER_RANK = 3

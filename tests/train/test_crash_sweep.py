@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.recovery import CheckpointReader
-from moc.checkpoint.storage import complete_steps
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import complete_steps
 from moc.train.metrics import read_events
 
 pytestmark = pytest.mark.slow

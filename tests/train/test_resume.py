@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moc.checkpoint.manifest import Manifest
 from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.store.manifest import Manifest
 from moc.train.metrics import read_events
+from tests.engines import losses_by_step
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
 
 def moc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -49,14 +52,6 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     }
 
 
-def _losses(events: list[dict]) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for e in events:
-        if e["event"] == "step":
-            out.setdefault(e["step"], []).append(e["loss"])
-    return out
-
-
 @pytest.mark.parametrize(("run", "source"), [("faulted", "memory"), ("blocking", "storage"),
                                              ("pec_all", "storage")])
 def test_interrupted_run_equals_uninterrupted_bitwise(runs, run, source):
@@ -67,7 +62,7 @@ def test_interrupted_run_equals_uninterrupted_bitwise(runs, run, source):
     assert len(recoveries) == 1 and recoveries[0]["resumed_from"] == 10
     assert recoveries[0]["source"] == source
     assert recoveries[0]["lost_tokens"] == 0 and recoveries[0]["plt"] == 0.0
-    a, b = _losses(straight), _losses(faulted)
+    a, b = losses_by_step(straight), losses_by_step(faulted)
     # Steps 11-14 ran twice in the faulted run (before the kill and after the restart).
     assert [len(b[s]) for s in range(11, 15)] == [2, 2, 2, 2]
     for step in range(1, 21):
@@ -102,8 +97,8 @@ def test_pec_k1_recovery_reports_lost_tokens_and_keeps_referenced_steps(runs):
     assert summary and summary[-1]["steps"] == 20
     # keep_last=1: only the newest step stays restorable, but the older steps its experts
     # live in stay on disk as data only (demoted).
-    from moc.checkpoint.retention import SUPERSEDED, referenced_steps
-    from moc.checkpoint.storage import complete_steps, step_dir
+    from moc.checkpoint.store.retention import SUPERSEDED, referenced_steps
+    from moc.checkpoint.store.steps import complete_steps, step_dir
     newest = Manifest.load(root / "ckpt", 18)
     assert complete_steps(root / "ckpt") == [18]
     assert all(step_dir(root / "ckpt", s).is_dir() for s in referenced_steps(newest))

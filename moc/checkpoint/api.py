@@ -1,0 +1,186 @@
+"""The contract every checkpoint engine keeps, and the results every engine returns.
+
+    report = ckpt.restore()                  # RecoveryReport | None (a fresh start)
+    start = report.step if report else 0
+    for step in range(start + 1, steps + 1):
+        loss = model(batch); loss.backward()
+        ckpt.wait_for_snapshot()             # the only place training may wait
+        optimizer.step(); optimizer.zero_grad()
+        ckpt.record_routing(tokens_per_expert)
+        ckpt.maybe_save(step, extra_state={...})
+        if ckpt.pending:                     # cheap: no work on ordinary steps
+            for result in ckpt.drain_completed():
+                log(result)
+    ckpt.flush()                             # everything in flight is finished ...
+    results = ckpt.drain_completed()         # ... and reported
+    ckpt.close()                             # releases background work, raises its errors
+
+Engines: `moc.Checkpointer` (synchronous PEC with fully sharded writes),
+`moc.TwoLevelCheckpointer` (a snapshot in memory + a background persist), and the
+baselines in `moc.baselines` (blocking, PyTorch DCP). A synchronous engine's result is
+in `drain_completed()` as soon as `save` returns; an asynchronous one's once its persist
+has finished (or was skipped). Either way `save` returns nothing: a result is final only
+once drained, so there is no half-filled record to misread.
+
+The protocol is named `CheckpointEngine`, not `Checkpointer`: `moc.Checkpointer` is the
+constructor users already call for the synchronous engine (docs/DECISIONS.md).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from moc.checkpoint.plan.writes import imbalance
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """One checkpoint, as every engine reports it once it is final."""
+
+    step: int
+    mode: str
+    """The strategy that took it (pec, blocking, moc, dcp-sync, ...)."""
+    k: int
+    """K_pec in force: experts per MoE layer a partial checkpoint persists."""
+    experts_saved: list[list[int]]
+    """Global expert ids persisted per MoE layer (the first of a chain: all)."""
+    save_s: float
+    """Time the save call itself took."""
+    wait_s: float = 0.0
+    """Time `wait_for_snapshot` blocked for this checkpoint (asynchronous engines)."""
+    bytes_per_rank: list[int] = field(default_factory=list)
+    """Bytes each rank's file holds ([] when nothing was persisted)."""
+    error: str | None = None
+    """Why the checkpoint did not reach storage; None when it did (or was skipped)."""
+    snapshot_s: float | None = None
+    """Time the copy to host memory took (asynchronous engines)."""
+    persist_s: float | None = None
+    """Time the background persist took, write and commit (asynchronous engines)."""
+    persist_skipped: bool = False
+    """The snapshot was taken but not persisted (a persist was still running)."""
+    k_snapshot: int | None = None
+    """Experts per layer in the memory snapshot (two-level)."""
+    k_snapshot_chosen: dict[str, Any] | None = None
+    """Set when `k_snapshot="auto"` chose K_snapshot before this checkpoint: the choice
+    and what it was measured from (window_s, plan_s, copy_Bps)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def stall_s(self) -> float:
+        """What training waited for this checkpoint: the save call plus the wait."""
+        return self.save_s + self.wait_s
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_per_rank)
+
+    @property
+    def imbalance(self) -> float | None:
+        """Busiest rank's bytes over the mean (1.0: every rank wrote the same); None
+        when nothing was persisted."""
+        return imbalance(self.bytes_per_rank) if self.bytes_per_rank else None
+
+    @property
+    def n_experts_saved(self) -> int:
+        return sum(len(e) for e in self.experts_saved)
+
+    def event(self) -> dict[str, Any]:
+        """The checkpoint event of `moc train --metrics` (README, "Metrics events")."""
+        return {"step": self.step, "stall_s": self.stall_s, "bytes": self.bytes,
+                "bytes_per_rank": list(self.bytes_per_rank), "imbalance": self.imbalance,
+                "mode": self.mode, "k": self.k, "experts_saved": self.n_experts_saved,
+                "snapshot_s": self.snapshot_s, "persist_s": self.persist_s,
+                "k_snapshot": self.k_snapshot, "persist_skipped": self.persist_skipped,
+                "error": self.error}
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    step: int
+    """The step restored (training continues after it)."""
+    extra: dict[str, Any]
+    """The loop state passed to `maybe_save(extra_state=...)` at that step."""
+    source: str
+    """Where the state came from: "storage", "memory", or "mixed" (some ranks each)."""
+    recovery_s: float
+    lost_tokens: int
+    """Expert token assignments whose updates this recovery lost (0 when every expert
+    came back at `step`)."""
+    lost_per_layer: list[int]
+    plt: float
+    """Cumulative proportion of lost tokens of the run, this recovery included."""
+    k: int
+    """K in force after this recovery (Dynamic-K may have raised it)."""
+    k_before: int
+    skipped: list[str] = field(default_factory=list)
+    """Newer steps found corrupt and skipped, with the reason."""
+
+
+@runtime_checkable
+class CheckpointEngine(Protocol):
+    """What the training loop may call on any checkpoint engine, and nothing else.
+
+    Engines subclass it explicitly: every method but `maybe_save` is abstract, so an
+    engine that misses one cannot be built. Collective calls (`restore`, `save` /
+    `maybe_save` on a checkpoint step, `flush`, `close`) are made by every rank, for the
+    same steps, in the same order.
+    """
+
+    interval: int
+    """Steps between checkpoints (`maybe_save`)."""
+
+    @abstractmethod
+    def restore(self) -> RecoveryReport | None:
+        """Load the newest checkpoint every rank can restore into the model and the
+        optimizer; None when there is none. Finishes any checkpoint in flight first."""
+
+    @abstractmethod
+    def record_routing(self, counts: torch.Tensor) -> None:
+        """Tokens this rank routed to each (MoE layer, global expert) this step."""
+
+    @abstractmethod
+    def wait_for_snapshot(self) -> None:
+        """Block until the state being checkpointed may change: call it right before
+        `optimizer.step()`. Raises, once, what the background copy met."""
+
+    @abstractmethod
+    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+        """Checkpoint `step` (with the JSON loop state `extra_state`); the result comes
+        out of `drain_completed()`."""
+
+    def maybe_save(self, step: int, extra_state: dict[str, Any] | None = None) -> bool:
+        """`save(step, ...)` when `step` is a multiple of `interval`; whether it did."""
+        if step % self.interval:
+            return False
+        self.save(step, extra_state)
+        return True
+
+    @property
+    @abstractmethod
+    def pending(self) -> bool:
+        """Whether a checkpoint is in flight or finished but not drained yet."""
+
+    @abstractmethod
+    def drain_completed(self) -> list[CheckpointResult]:
+        """Checkpoints that are final, oldest first; each is returned once."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Finish every checkpoint in flight; their results are then drainable."""
+
+    @abstractmethod
+    def host_memory(self) -> dict[str, int]:
+        """Host memory the engine holds for checkpoints, in bytes, by what it is for
+        (e.g. `ckpt_host_bytes`, `snapshot_bytes`); {} when it holds none it can count."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush, stop background work, release its resources; raise any error it met
+        that was not raised yet."""

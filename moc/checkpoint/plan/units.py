@@ -1,0 +1,116 @@
+"""The write units of one checkpoint and this rank's share of them: pure functions.
+
+Every rank derives every unit from what it can see, with no communication: the dense
+parameters (the same everywhere), the shape of one expert's tensors (the same for every
+expert of a layer), the layout, and the optimizer's owner map. Sizes of optimizer state
+are estimated (OPTIM_BYTES_PER_PARAM_BYTE): the plan only needs to balance; what is
+written is measured.
+
+    units, unit_of = write_units(params, spec, layout, owner_of, wanted)
+    keys = sharded_keys(state, wanted, units, unit_of, rank, world_size, sharded_optim)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from moc.checkpoint.plan.writes import DENSE, EXPERT, FIXED, WriteUnit, plan_writes
+from moc.checkpoint.spec import ExpertSpec, expert_key, param_key_of
+from moc.checkpoint.state import RankState
+from moc.topology import ParallelLayout
+
+OPTIM_BYTES_PER_PARAM_BYTE = 2
+"""Planning estimate of optimizer state per byte of parameter (AdamW: two moments). It
+only balances the plan; what is written is measured."""
+
+OwnerOf = Callable[[str, int], int]
+"""(parameter name, expert-parallel rank) -> the global rank owning its optimizer state
+(a sharded optimizer such as `ShardedAdamW.owner_of`)."""
+Wanted = Callable[[str], bool]
+"""Is this key written at this checkpoint (`ChainState.wanted`)?"""
+
+
+def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: ParallelLayout,
+                owner_of: OwnerOf | None, wanted: Wanted
+                ) -> tuple[list[WriteUnit], dict[str, str]]:
+    """The plan's units, the same on every rank, and the unit of each parameter key.
+
+    `params`: (name, bytes) of every parameter this rank holds, in `named_parameters()`
+    order. With `owner_of` (a sharded optimizer) each rank's owned optimizer state is a
+    unit of its own (one holder); without it, optimizer state is replicated with its
+    parameter and travels in the parameter's unit.
+    """
+    world = layout.world_size
+    everyone = tuple(range(world))
+    replicated_optim = owner_of is None
+    factor = 1 + (OPTIM_BYTES_PER_PARAM_BYTE if replicated_optim else 0)
+    sizes: dict[str, int] = {}
+    holders: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, str] = {}
+    unit_of: dict[str, str] = {}
+    fixed = [0] * world
+
+    def add(unit: str, nbytes: int, who: tuple[int, ...], kind: str) -> None:
+        sizes[unit] = sizes.get(unit, 0) + nbytes
+        holders[unit], kinds[unit] = who, kind
+
+    experts = spec.by_name()
+    for name, nbytes in params:
+        if name not in experts:
+            unit = f"dense:{name.rsplit('.', 1)[0]}"
+            add(unit, nbytes * factor, everyone, DENSE)
+            unit_of[f"param/{name}"] = unit
+            if owner_of is not None:
+                # A dense parameter's owner does not depend on the expert-parallel rank.
+                fixed[owner_of(name, 0)] += nbytes * OPTIM_BYTES_PER_PARAM_BYTE
+            continue
+        ep = experts[name]
+        per_expert = nbytes // len(ep.global_ids)
+        for gid in range(spec.n_experts):  # every expert, local or not
+            key = expert_key("param", ep.stem, gid)
+            if key in unit_of:
+                continue
+            unit = unit_of[key] = f"expert:{ep.moe_layer}:{gid}"
+            size = per_expert * wanted(key)
+            if replicated_optim and wanted(expert_key("optim", ep.stem, gid, "exp_avg")):
+                size += per_expert * OPTIM_BYTES_PER_PARAM_BYTE
+            add(unit, size, tuple(layout.expert_replicas(gid)), EXPERT)
+        if owner_of is not None:
+            for e_rank in range(layout.ep):
+                ids = layout.local_experts(e_rank)
+                n = sum(wanted(expert_key("optim", ep.stem, gid, "exp_avg")) for gid in ids)
+                fixed[owner_of(name, e_rank)] += n * per_expert * OPTIM_BYTES_PER_PARAM_BYTE
+    units = [WriteUnit(u, sizes[u], holders[u], kinds[u]) for u in sizes]
+    units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
+    return units, unit_of
+
+
+def sharded_keys(keys: Iterable[str], wanted: Wanted, units: list[WriteUnit],
+                 unit_of: dict[str, str], rank: int, world_size: int, sharded_optim: bool
+                 ) -> list[str]:
+    """The keys (of this rank's state, `keys`) this rank writes: the wanted ones the
+    plan gives it. Nothing moves between ranks: a rank writes only what it holds.
+
+    Its RNG is always its own; sharded optimizer state is written by its owner, i.e.
+    where it is held; replicated optimizer state goes with its parameter's unit."""
+    writer = plan_writes(units, world_size).writer
+
+    def mine(key: str) -> bool:
+        if key.startswith("rng/"):
+            return True
+        if key.startswith("optim/"):
+            return sharded_optim or writer[unit_of[param_key_of(key)]] == rank
+        return writer[unit_of[key]] == rank
+
+    return [k for k in keys if wanted(k) and mine(k)]
+
+
+def rank_share(state: RankState, layout: ParallelLayout, keys: Iterable[str], wanted: Wanted
+               ) -> list[str]:
+    """The keys among `keys` (this rank's flattened state) that this rank writes under
+    the fully sharded plan. A sharded optimizer is recognised by its `owner_of`."""
+    owner_of: OwnerOf | None = getattr(state.optimizer, "owner_of", None)
+    params = [(n, p.numel() * p.element_size()) for n, p in state.model.named_parameters()]
+    units, unit_of = write_units(params, state.spec, layout, owner_of, wanted)
+    return sharded_keys(keys, wanted, units, unit_of, state.rank, layout.world_size,
+                        sharded_optim=owner_of is not None)

@@ -1,0 +1,182 @@
+"""Routed-token accounting, the Proportion of Lost Tokens (PLT) and Dynamic-K: one owner.
+
+Each step the trainer hands `record_routing` the tokens this rank routed to every
+(MoE layer, global expert). The counts stay local (one tensor add, no communication) and
+are summed over ranks only at a checkpoint. Every manifest carries, per (layer, expert):
+
+    cumulative  assignments routed to the expert from the start of the run to this step
+    at_save     the cumulative count when the expert's newest saved copy was taken
+    lost        per layer, assignments lost by earlier faults (carried along the run)
+
+Recovering a step s, an expert restored from an older copy loses the updates of the
+tokens routed to it between that copy and s:  lost_e = cumulative_e - at_copy_e, where
+at_copy_e is the cumulative count when the copy restored was taken (`at_save` for a copy
+on storage, the snapshot's count for a copy in memory). PLT (paper, sec. 2) = mean over
+MoE layers i of  sum_j L_ij / (T_i * topk_i), where the denominator is every assignment
+of layer i so far (sum_e cumulative).
+
+Dynamic-K (paper, sec. 3): after each recovery, if the PLT lost since K last changed
+exceeds the threshold, K doubles (up to N). Every kind of recovery (from memory, from
+storage, mixed) accounts through `TokenLedger.recover`, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class PLTReport:
+    """What one recovery lost, and the K in force after it."""
+
+    lost_tokens: int
+    """Assignments lost by this recovery, over all layers."""
+    lost_per_layer: list[int]
+    plt: float
+    """Cumulative PLT of the run, this recovery included."""
+    k: int = 0
+    """K_pec after this recovery (Dynamic-K may have raised it)."""
+    k_before: int = 0
+    """K_pec before Dynamic-K judged this recovery."""
+
+
+@dataclass
+class TokenLedger:
+    """Token counts, PLT and K_pec of one run.
+
+    Owners: `record` and `take_pending` (this rank's counts of the current interval)
+    belong to the caller's thread, which trains; everything else (the counts summed
+    over ranks, lost tokens, K) to whoever runs the checkpoint's plan: the caller's
+    thread in the synchronous engine, the snapshot thread in the two-level one (whose
+    caller touches it only when no plan runs: after `wait_for_snapshot`).
+    """
+
+    n_moe_layers: int
+    n_experts: int
+    k: int = 0
+    """K_pec in force: experts per MoE layer a partial checkpoint saves (0: all N)."""
+    dynamic_k: bool = False
+    plt_threshold: float = 0.0375
+    cumulative: torch.Tensor = field(init=False)
+    at_save: torch.Tensor = field(init=False)
+    lost: torch.Tensor = field(init=False)
+    lost_base: torch.Tensor = field(init=False)
+    """Per-layer lost tokens when K last changed: Dynamic-K judges what was lost since."""
+    _pending: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.n_moe_layers, self.n_experts)
+        self.k = self.k or self.n_experts
+        self.cumulative = torch.zeros(shape, dtype=torch.int64)
+        self.at_save = torch.zeros(shape, dtype=torch.int64)
+        self.lost = torch.zeros(self.n_moe_layers, dtype=torch.int64)
+        self.lost_base = torch.zeros(self.n_moe_layers, dtype=torch.int64)
+        self._pending = torch.zeros(shape, dtype=torch.int64)
+
+    # -- the caller's thread ---------------------------------------------------------------
+
+    def record(self, counts: torch.Tensor) -> None:
+        """Add one step's local (layers x experts) counts. Hot path: one add on the
+        counts' own device, no host sync, no communication."""
+        if counts.shape != self._pending.shape:
+            raise ValueError(f"record_routing expects counts of shape (MoE layers, experts) = "
+                             f"{tuple(self._pending.shape)}, got {tuple(counts.shape)}")
+        if self._pending.device != counts.device:
+            self._pending = self._pending.to(counts.device)
+        self._pending += counts.detach()
+
+    def take_pending(self) -> torch.Tensor:
+        """This rank's counts since the last checkpoint (on the CPU), reset to zero; the
+        engine sums them over ranks (`Dist`) and hands them to `add_synced`."""
+        pending = self._pending.to("cpu", torch.int64)
+        self._pending = torch.zeros_like(self._pending)
+        return pending
+
+    # -- the plan ----------------------------------------------------------------------------
+
+    def add_synced(self, summed: torch.Tensor) -> None:
+        """Fold counts already summed over every rank into `cumulative`."""
+        self.cumulative += summed.view(self.cumulative.shape)
+
+    def unsaved(self) -> torch.Tensor:
+        """(layers x experts) tokens routed to each expert since its newest saved copy."""
+        return self.cumulative - self.at_save
+
+    def at_save_after(self, written: list[list[int]]) -> torch.Tensor:
+        """`at_save` as it is once the experts `written` (per layer) are saved now."""
+        at_save = self.at_save.clone()
+        for m, experts in enumerate(written):
+            at_save[m, experts] = self.cumulative[m, experts]
+        return at_save
+
+    def committed(self, tokens: dict[str, Any]) -> None:
+        """A checkpoint was committed: its `at_save` (`tokens` of its manifest) is now
+        where every expert's newest persisted copy stands."""
+        self.at_save = torch.tensor(tokens["at_save"], dtype=torch.int64)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's `tokens` (without `at_save` after this checkpoint; see
+        `at_save_after`)."""
+        return {"cumulative": self.cumulative.tolist(), "at_save": self.at_save.tolist(),
+                "lost": self.lost.tolist()}
+
+    def policy_json(self) -> dict[str, Any]:
+        """What the manifest's `policy` carries of this ledger: K and `lost_base`."""
+        return {"k": self.k, "lost_base": self.lost_base.tolist()}
+
+    def load_json(self, d: dict[str, Any]) -> None:
+        """Restore the counts of a manifest or snapshot; an empty dict (no accounting
+        saved) starts from zeros. Counts recorded since belong to steps that will be
+        redone, so they are dropped."""
+        self._pending = torch.zeros_like(self._pending)
+        if not d:
+            return
+        self.cumulative = torch.tensor(d["cumulative"], dtype=torch.int64)
+        self.at_save = torch.tensor(d["at_save"], dtype=torch.int64)
+        self.lost = torch.tensor(d["lost"], dtype=torch.int64)
+        if self.cumulative.shape != (self.n_moe_layers, self.n_experts):
+            raise ValueError(f"token counts of shape {tuple(self.cumulative.shape)} do not fit "
+                             f"{self.n_moe_layers} MoE layers x {self.n_experts} experts")
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def recover(self, at_copy: torch.Tensor, saved_policy: dict[str, Any]) -> PLTReport:
+        """Account a recovery and apply Dynamic-K; call after `load_json`.
+
+        `at_copy` is the (layers x experts) cumulative count at the copy of each expert
+        that was restored. `saved_policy` is the policy state the restored checkpoint
+        carries ({"k", "lost_base"}, see `policy_json`): a K that Dynamic-K had raised
+        in this run is kept, otherwise the K the user configured stays.
+        """
+        lost_per_layer = (self.cumulative - at_copy).sum(dim=1)
+        self.lost += lost_per_layer
+        if self.dynamic_k and "k" in saved_policy:
+            self.k = max(self.k, int(saved_policy["k"]))
+            self.lost_base = torch.tensor(
+                saved_policy.get("lost_base", [0] * self.n_moe_layers), dtype=torch.int64)
+        k_before = self.k
+        if (self.dynamic_k and self.k < self.n_experts
+                and self.plt(self.lost_base) > self.plt_threshold):
+            self.k = min(2 * self.k, self.n_experts)
+            self.lost_base = self.lost.clone()
+        return PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.plt(),
+                         self.k, k_before)
+
+    def all_saved(self) -> None:
+        """Every expert's state is now its newest persisted copy (a restore from storage):
+        nothing routed so far is unsaved, and nothing is lost twice."""
+        self.at_save = self.cumulative.clone()
+
+    def plt(self, lost_base: torch.Tensor | None = None) -> float:
+        """Cumulative PLT: the mean over all MoE layers of lost / all assignments so far.
+
+        With `lost_base` (per-layer lost counts at some earlier point), only the tokens
+        lost since then count: the PLT attributable to the K in force since then.
+        """
+        lost = self.lost if lost_base is None else self.lost - lost_base
+        total = self.cumulative.sum(dim=1).double()
+        per_layer = torch.where(total > 0, lost.double() / total.clamp(min=1), 0.0)
+        return float(per_layer.mean()) if len(per_layer) else 0.0

@@ -1,0 +1,144 @@
+"""Where a step's files land and how a step becomes complete: fsync, atomic commit.
+
+Layout under a checkpoint root:
+
+    step-00000120/              complete: manifest.json exists (written last)
+        rank-00003.safetensors
+        manifest.json
+    step-00000130.tmp/          being written or abandoned: never read
+
+A step is committed by writing every file into `step-N.tmp/`, fsyncing them, writing
+and fsyncing the manifest, then renaming the directory (atomic on POSIX) and fsyncing
+the root. A crash at any point leaves either the complete step or a `.tmp` directory.
+
+The bytes inside a file are `moc.checkpoint.store.format`'s; who writes which file is the
+plan's; this module only names directories and moves them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+STEP_RE = re.compile(r"^step-(\d{8})$")
+"""A step directory proper; `.tmp`, `.replaced`, `.corrupt` and `.deleting` are not."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}.tmp"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def begin_step(root: Path, step: int) -> Path:
+    """Create an empty `step-N.tmp/` (discarding an abandoned one) and return it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir(root, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_step(root: Path, step: int, manifest_json: str) -> Path:
+    """Write the manifest into `step-N.tmp/` and atomically publish the step.
+
+    Never overwrites the only good copy: a complete step of the same number (a step
+    re-done after recovering from an older one) is moved aside first and deleted only
+    after the new one is in place.
+    """
+    root = Path(root)
+    tmp, final = tmp_dir(root, step), step_dir(root, step)
+    path = tmp / MANIFEST
+    with open(path, "w") as f:
+        f.write(manifest_json)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = root / f"{final.name}.replaced"
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+    tmp.rename(final)
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old)
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a manifest, oldest first. Directories without one are never read."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and (d / MANIFEST).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Delete `.tmp` directories left by an interrupted save.
+
+    A `.replaced` directory is the previous copy of a step that was being re-committed;
+    if the crash came before the new copy took its name, it is the only good copy and is
+    put back instead of deleted.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for d in sorted(root.iterdir()):
+        if not (d.is_dir() and d.name.startswith("step-")):
+            continue
+        if d.name.endswith(".replaced"):
+            final = root / d.name.removesuffix(".replaced")
+            if not (final / MANIFEST).is_file():
+                if final.exists():
+                    shutil.rmtree(final)
+                d.rename(final)
+                continue
+        elif not d.name.endswith(".tmp"):
+            continue
+        shutil.rmtree(d)
+        removed.append(d)
+    return removed
+
+
+def set_aside(root: Path, step: int, reason: str) -> Path:
+    """Rename a complete step that failed verification to `step-N.corrupt`.
+
+    Kept for inspection rather than deleted, and out of the way: it is never read again,
+    retention does not count it among the newest steps, and the step number can be
+    committed anew by the run that continues from an older step.
+    """
+    src = step_dir(root, step)
+    dst = Path(root) / f"{src.name}.corrupt"
+    if dst.exists():
+        shutil.rmtree(dst)
+    src.rename(dst)
+    (dst / "CORRUPT.txt").write_text(reason + "\n")
+    fsync_dir(Path(root))
+    return dst

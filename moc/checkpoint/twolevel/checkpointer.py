@@ -1,0 +1,291 @@
+"""`moc.TwoLevelCheckpointer`: PEC + sharding + a snapshot in memory + a background persist.
+
+    save(s)              hand step s to the snapshot thread and return at once; that
+                         thread runs the plan (`twolevel.planner`: one small all-reduce,
+                         the experts, the sharded writes, a free slot) and copies this
+                         rank's state into node-local shared memory (`twolevel.slots`)
+    wait_for_snapshot()  right before optimizer.step(): blocks only if the copy is not
+                         done yet; the stall is max(0, copy time - forward/backward time)
+    persist process      writes the K_persist experts + non-expert share of each rank
+                         from shared memory to storage and commits the manifest
+                         (`twolevel.persist`, speaking `twolevel.protocol`)
+
+The snapshot is complete (every expert: K_snapshot = N) unless asked otherwise
+(`twolevel.sizing`). Host memcpy is cheap, and a complete snapshot makes recovery from a
+process crash exact: no tokens are lost. Only what reaches storage is partial
+(K_persist), which bounds what a node loss costs.
+
+Recovery (`twolevel.memory_restore`): the ranks agree on the newest step every rank can
+restore, each from its node's memory when its snapshot there is complete and its
+checksums hold, from storage otherwise ("memory", "mixed"); with no such step, from
+storage alone ("storage").
+
+When a new checkpoint comes while the previous persist is still running, `persist_policy`
+decides: "skip" (the default) takes the snapshot but does not persist it, and the skip
+is reported; "wait" makes the snapshot wait until the running persist is done, so
+training waits for it in `wait_for_snapshot()`.
+
+This class only wires the parts and keeps the caller's bookkeeping: the results of the
+checkpoints in flight (owned by the caller's thread) and the one snapshot being taken.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.parts import EngineParts
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.recovery import resume_from_storage
+from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.store.steps import complete_steps, remove_abandoned
+from moc.checkpoint.twolevel.memory_restore import restore_from_memory
+from moc.checkpoint.twolevel.persist import PersistClient
+from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
+from moc.checkpoint.twolevel.protocol import Done
+from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot
+from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, default_job_id, remove_job
+from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker
+from moc.topology import ParallelGroups
+
+PERSIST_POLICIES = ("skip", "wait")
+
+
+@dataclass
+class _InFlight:
+    """A checkpoint whose result is not final yet, filled in by the caller's thread."""
+
+    step: int
+    save_s: float
+    wait_s: float = 0.0
+    snapshot_s: float | None = None
+    outcome: PlanOutcome | None = None
+    done: Done | None = None
+
+    def final(self, rank: int) -> bool:
+        """Its snapshot is taken, and (rank 0, which hears of persists) its persist has
+        finished or was skipped."""
+        if self.snapshot_s is None or self.outcome is None:
+            return False
+        return rank != 0 or self.outcome.persist_skipped or self.done is not None
+
+    def result(self, mode: str) -> CheckpointResult:
+        o, d = self.outcome, self.done
+        assert o is not None
+        return CheckpointResult(
+            self.step, mode, o.k, o.experts_saved, self.save_s, self.wait_s,
+            bytes_per_rank=list(d.bytes_per_rank or []) if d is not None else [],
+            error=(d.error if d is not None and not d.ok else None) or o.error,
+            snapshot_s=self.snapshot_s, persist_s=d.seconds if d is not None else None,
+            persist_skipped=o.persist_skipped, k_snapshot=o.k_snapshot,
+            k_snapshot_chosen=o.k_snapshot_chosen)
+
+
+class TwoLevelCheckpointer(CheckpointEngine):
+    """Two-level checkpointing on one node; implements `moc.checkpoint.api.CheckpointEngine`.
+
+    Takes `moc.Checkpointer`'s arguments, plus `job` (the shared-memory job id; default:
+    derived from the directory, so torchrun restarts of a run find its snapshots),
+    `persist_policy` ("skip" or "wait") and `k_snapshot` (int, "all" or "auto").
+    """
+
+    def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
+                 experts: ExpertSpec | None = None, groups: ParallelGroups | None = None,
+                 policy: PECPolicy | None = None, interval: int = 10,
+                 keep_last: int | None = None, model_meta: dict[str, Any] | None = None,
+                 mode: str = "moc", job: str | None = None, persist_policy: str = "skip",
+                 k_snapshot: int | str | None = None) -> None:
+        if persist_policy not in PERSIST_POLICIES:
+            raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
+                             f"got {persist_policy!r}")
+        self.parts = p = EngineParts.build(
+            model, optimizer, directory, experts=experts, groups=groups, policy=policy,
+            interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode)
+        self.root, self.spec, self.interval = p.root, p.spec, interval
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", p.groups.world_size))
+        if local_world != p.groups.world_size:
+            raise ValueError("two-level checkpointing runs on one node in this release "
+                             f"({p.groups.world_size} ranks, {local_world} on this node); "
+                             "use --ckpt-mode pec across nodes")
+        k, self.auto_k_snapshot = parse_k_snapshot(k_snapshot, p.spec.n_experts)
+        self.job = job or default_job_id(directory)
+        self.store = SnapshotStore(self.job, p.groups.rank)
+        self.worker = SnapshotWorker()
+        if p.groups.rank == 0:
+            claim_job(self.job)
+        self.persist = PersistClient(self.job, p.root, p.groups.rank)
+        self.planner = SnapshotPlanner(
+            p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
+            PlanConfig(p.root, p.mode, p.model_meta, persist_policy), k)
+        if p.retention is not None:
+            self.planner.on_commit = p.retention.request
+        self._handle: SnapshotHandle | None = None
+        self._saved_at: float | None = None  # when save() returned: the copy's window
+        self._in_flight: dict[int, _InFlight] = {}
+
+    # -- the training loop's calls -------------------------------------------------------
+
+    def record_routing(self, counts: torch.Tensor) -> None:
+        self.parts.ledger.record(counts)
+
+    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+        """Start a checkpoint of `step` and return at once.
+
+        This thread only takes what cannot wait (the routed-token counts and the RNG
+        state of this step, a copy of `extra_state`) and hands the checkpoint to the
+        snapshot thread, which does the rest behind the next forward and backward pass.
+        Training waits only in `wait_for_snapshot()`, and only if all that outlasts the
+        window. The result comes out of `drain_completed()`."""
+        t0 = time.perf_counter()
+        if step in self._in_flight:
+            raise ValueError(f"step {step} is already being checkpointed (its persist is "
+                             "not reported yet); save each step once")
+        self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
+        counts = self.parts.ledger.take_pending()
+        rng = torch.get_rng_state()
+        extra = copy.deepcopy(extra_state) if extra_state else {}
+        ready = None
+        if any(q.is_cuda for q in self.parts.state.model.parameters()):
+            ready = torch.cuda.Event()  # the copy waits for the work queued so far
+            ready.record(torch.cuda.current_stream())
+        planner = self.planner
+        self._handle = SnapshotHandle(self.worker, self.store, step,
+                                      lambda: planner.plan(step, counts, rng, extra), ready)
+        self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
+        self._saved_at = time.perf_counter()
+
+    def wait_for_snapshot(self) -> None:
+        """Blocks until the snapshot being taken is complete: the only place training
+        waits on a checkpoint. Raises, once, what the plan or the copy met, and an error
+        of the background work shared by rank 0 (retention)."""
+        handle = self._handle
+        if handle is None:
+            self._raise_shared_error()
+            return
+        t0 = time.perf_counter()
+        window = t0 - self._saved_at if self._saved_at is not None else None
+        self._handle = None
+        try:
+            header = handle.wait()
+        except BaseException:
+            # Raised once, here: the engine stays usable (restore, close), and the
+            # failed checkpoint is not reported again as in flight.
+            self._in_flight.pop(handle.step, None)
+            raise
+        self.planner.newest_slot = handle.slot
+        if self.auto_k_snapshot and window is not None:
+            # Measured once, on the first snapshot (a complete one), and shared by rank 0
+            # at the next plan so that every rank uses the same K_snapshot.
+            self.auto_k_snapshot = False
+            if self.parts.groups.rank == 0:
+                self.planner.choice = choose_k(
+                    header, handle.seconds, window, handle.plan_s, self.parts.chain.stems,
+                    self.spec.n_experts, self.spec.n_moe_layers, self.parts.ledger.k)
+        rec = self._in_flight[handle.step]
+        rec.wait_s, rec.snapshot_s = time.perf_counter() - t0, handle.seconds
+        rec.outcome = handle.job.outcome if handle.job is not None else None
+        self._raise_shared_error()
+
+    def _raise_shared_error(self) -> None:
+        """Raise, once, an error of rank 0's background work (retention) that the plans
+        shared with every rank; only when no plan runs (it is the plan's to write)."""
+        error, self.planner.shared_error = self.planner.shared_error, None
+        if error:
+            raise CheckpointError(error)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint is still being taken or persisted, or not drained yet."""
+        return bool(self._in_flight)
+
+    def drain_completed(self) -> list[CheckpointResult]:
+        """Checkpoints whose snapshot is taken and whose persist has finished or was
+        skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
+        rank = self.parts.groups.rank
+        if rank == 0:
+            self.planner.poll()
+        while not self.planner.reports.empty():
+            done = self.planner.reports.get()
+            if done.step in self._in_flight:
+                self._in_flight[done.step].done = done
+        out = [self._in_flight.pop(step).result(self.parts.mode)
+               for step in sorted(self._in_flight) if self._in_flight[step].final(rank)]
+        return out
+
+    def flush(self) -> None:
+        """Wait for the snapshot and the persist in flight (collective); their results
+        are then in `drain_completed()`."""
+        self.wait_for_snapshot()
+        self.planner.share(block=True)
+
+    def host_memory(self) -> dict[str, int]:
+        return self.store.sizes()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def restore(self) -> RecoveryReport | None:
+        """Restore the newest step every rank can restore, from memory where it can
+        ("memory", "mixed") or from storage ("storage"). Collective.
+
+        A checkpoint still being taken or persisted finishes first: a rollback in the
+        middle of a run must not race the snapshot thread's collective, nor leave a
+        persist that commits after the restore.
+        """
+        p, planner = self.parts, self.planner
+        self.flush()
+        if p.groups.rank == 0:
+            remove_abandoned(p.root)
+        storage = p.dist.broadcast(complete_steps(p.root))
+        if not p.root.exists():
+            # The checkpoint directory is gone (a fresh start was asked for): snapshots
+            # left in memory by an earlier run of it must not be resumed.
+            self.store.invalidate_newer_than(-1)
+        mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
+                                  p.model_meta, p.chain.tracked_kind)
+        if mem is None:
+            planner.newest_slot = planner.persist_slot = None
+            report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
+                                         p.ledger)
+            self.store.invalidate_newer_than(report.step if report is not None else -1)
+            return report
+        self.store.invalidate_newer_than(mem.step)
+        planner.newest_slot, planner.persist_slot = mem.slot, None
+        planner.snap_index = int(mem.meta.get("snap_index", -1)) + 1
+        p.ledger.load_json(mem.meta["ledger"])
+        if storage:
+            planner.committed(storage[-1])  # the chain continues from storage
+        else:
+            p.chain.reset()
+        plt = p.ledger.recover(mem.at_copy, mem.meta)
+        return RecoveryReport(mem.step, mem.meta["extra"], mem.source, mem.recovery_s,
+                              plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
+                              plt.k_before)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Wait for the snapshot and the persist in flight, stop the persist process and
+        remove this job's shared memory (unless `keep_snapshots`). Collective."""
+        try:
+            self.flush()
+            self.parts.dist.barrier()
+        finally:
+            try:
+                self.persist.stop()
+            finally:
+                self.worker.stop()
+                self.store.release()
+                if self.parts.groups.rank == 0 and not keep_snapshots:
+                    remove_job(self.job)
+        if self.parts.retention is not None:
+            self.parts.retention.close()
+        self._raise_shared_error()

@@ -1,0 +1,214 @@
+"""The plan of one two-level checkpoint, on the snapshot thread: what the snapshot copies
+into which slot, and what is persisted.
+
+    plan(step, counts, rng, extra)   share persist results and sum the token counts (one
+                                     all-reduce), choose the experts, plan the sharded
+                                     writes, pick a free slot, request the persist
+    share(block)                     the same exchange without a checkpoint (flush)
+    poll()                           rank 0's caller thread: results that have arrived
+
+Every rank runs the same plans in the same order, so the collective inside pairs up and
+every rank takes the same decisions (the persist results it acts on are rank 0's).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moc.checkpoint.dist import Dist
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.plan.chain import ChainState
+from moc.checkpoint.plan.units import rank_share
+from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.state import RankState
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.twolevel.persist import PersistClient
+from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Done, Failed, Persist, Ready
+from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
+from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader
+from moc.checkpoint.twolevel.worker import SnapshotJob
+from moc.topology import ParallelGroups
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """What a plan decided that the checkpoint's result reports."""
+
+    k: int
+    experts_saved: list[list[int]]
+    persist_skipped: bool
+    error: str | None
+    k_snapshot: int
+    k_snapshot_chosen: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the plans of one engine have in common."""
+
+    root: Any
+    mode: str
+    model_meta: dict[str, Any]
+    persist_policy: str
+    """"skip" (persist only when no persist runs) or "wait" (the plan waits for it)."""
+
+
+class SnapshotPlanner:
+    """Owner, while a plan runs (the snapshot thread) and otherwise for the caller's
+    thread after `wait_for_snapshot` (flush, restore): the chain state, the ledger's
+    summed counts and K, the slot roles, K_snapshot and the persist in flight. `lock` is
+    held by a plan; rank 0's caller takes it without blocking to poll for results.
+    Results for the caller's records leave only through `reports` (a queue).
+    """
+
+    def __init__(self, state: RankState, groups: ParallelGroups, dist: Dist,
+                 chain: ChainState, ledger: TokenLedger, client: PersistClient,
+                 config: PlanConfig, k_snapshot: int) -> None:
+        self.state, self.groups, self.dist = state, groups, dist
+        self.chain, self.ledger, self.client, self.config = chain, ledger, client, config
+        self.k_snapshot = k_snapshot
+        self.snap_index = 0
+        """Partial snapshots so far: their sequential rotation's c."""
+        self.choice: dict[str, Any] | None = None
+        """Rank 0: a K_snapshot chosen by `auto`, shared at the next plan."""
+        self.chosen: dict[str, Any] | None = None
+        """The choice as shared, reported with the next checkpoint's result."""
+        self.newest_slot: int | None = None
+        """The newest complete snapshot: a recovery source, never overwritten."""
+        self.persist_slot: int | None = None
+        """Being read by the persist process; `persist_slot_step` is its step."""
+        self.persist_slot_step: int | None = None
+        self.in_flight: int | None = None
+        """The step being persisted (None: none)."""
+        self.persist_alive = True
+        """Rank 0's view of the persist process, shared at each plan."""
+        self.on_commit: Callable[[], None] | None = None
+        """Rank 0: called when a checkpoint is committed (retention); a CheckpointError it
+        raises is shared with every rank and raised there by `wait_for_snapshot`."""
+        self.shared_error: str | None = None
+        """An error of rank 0's background work, as shared with this rank."""
+        self.lock = threading.Lock()
+        self.reports: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self._unshared: list[Done] = []  # rank 0: results not yet shared
+        self._error: str | None = None  # rank 0: on_commit's error, not yet shared
+
+    # -- persist results ---------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Rank 0's caller thread: take the results that have arrived, unless a plan is
+        sharing them right now (it takes them itself then). Never blocks."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._receive(block=False)
+            finally:
+                self.lock.release()
+
+    def _receive(self, block: bool) -> None:
+        if self.groups.rank != 0 or self.in_flight is None:
+            return
+        for done in self.client.receive(self.in_flight, block):
+            self._unshared.append(done)
+            self.reports.put(done)
+            if done.step == self.in_flight:
+                self.in_flight = None
+        self.persist_alive = self.client.alive
+
+    def share(self, block: bool, counts: torch.Tensor | None = None) -> None:
+        """Collective: every rank learns the same persist results and applies them; with
+        `counts` (this rank's routed tokens since the last save), the same all-reduce
+        also sums them into the ledger. `block`: first wait for the persist in flight."""
+        if self.groups.rank == 0:
+            self._receive(block)
+        share = (self._unshared, self.in_flight, self.persist_alive, self.choice, self._error)
+        done, in_flight, alive, choice, error = self.dist.exchange(share, counts)
+        self._unshared, self.choice, self._error = [], None, None
+        self.shared_error = self.shared_error or error
+        if counts is not None:
+            self.ledger.add_synced(counts)
+        self.persist_alive = alive
+        if choice is not None:
+            self.k_snapshot, self.chosen = choice["k_snapshot"], choice
+        for result in done:
+            if self.groups.rank != 0:
+                self.reports.put(result)
+            if result.step == self.persist_slot_step:
+                self.persist_slot = None
+            if result.ok:
+                self.committed(result.step)
+        self.in_flight = in_flight
+
+    def committed(self, step: int) -> None:
+        """The chain continues from `step`'s manifest, just committed."""
+        manifest = Manifest.load(self.config.root, step)
+        self.chain.advance(manifest)
+        self.ledger.committed(manifest.tokens)
+        if self.on_commit is not None:
+            try:
+                self.on_commit()
+            except CheckpointError as e:  # shared with every rank at the next exchange
+                self._error = str(e)
+
+    # -- one checkpoint ----------------------------------------------------------------------
+
+    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any]
+             ) -> SnapshotJob:
+        """On the snapshot thread: what `step`'s snapshot copies and where, and its
+        persist request. Collective (one small all-reduce)."""
+        with self.lock:
+            return self._plan(step, counts, rng, extra)
+
+    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any]
+              ) -> SnapshotJob:
+        g, chain, ledger, cfg = self.groups, self.chain, self.ledger, self.config
+        self.share(block=cfg.persist_policy == "wait", counts=counts)
+        # Without a persist process (it died), training goes on with snapshots only:
+        # each checkpoint is reported as not persisted, and memory still recovers crashes.
+        persist_now = self.in_flight is None and self.persist_alive
+        selected = chain.select(step, ledger)
+        wanted = chain.wanted(selected, step)
+        written = chain.written(selected, step)
+        state = self.state.flatten(rng)
+        write = rank_share(self.state, g.layout, state, wanted) if persist_now else []
+        slot = next(s for s in range(N_SLOTS) if s not in (self.newest_slot, self.persist_slot))
+        experts = snapshot_experts(self.state.spec.n_experts, self.state.spec.n_moe_layers,
+                                   self.k_snapshot, self.snap_index, g.layout.ep,
+                                   written if persist_now else None, chain.manifest is None)
+        layout = {"world_size": g.world_size, "ep": g.layout.ep}
+        meta = {"extra": extra, "ledger": ledger.to_json(), **ledger.policy_json(),
+                "snap_index": self.snap_index, "k_snapshot": self.k_snapshot,
+                "model": cfg.model_meta, "layout": layout}
+        outcome = PlanOutcome(ledger.k, written, not persist_now,
+                              None if self.persist_alive else PERSIST_GONE, self.k_snapshot,
+                              self.chosen)
+        self.chosen = None
+        self.snap_index += 1
+        held = list(state)
+        rank, client = g.rank, self.client
+
+        def on_done(header: SnapshotHeader) -> None:  # on the snapshot thread
+            if persist_now:
+                client.send(Ready(rank, step, slot, write, held))
+
+        def on_error(error: BaseException) -> None:  # on the snapshot thread
+            if persist_now:
+                # The persist process gives up on this step instead of waiting for a
+                # snapshot that will never be ready; the chain goes on from the last one.
+                client.send(Failed(rank, step, f"{type(error).__name__}: {error}"))
+
+        if persist_now:
+            self.persist_slot, self.persist_slot_step = slot, step
+            self.in_flight = step
+            if rank == 0:
+                prev_step = chain.manifest.step if chain.manifest is not None else None
+                template = chain.template(step, mode=cfg.mode, layout=layout,
+                                          model_meta=cfg.model_meta, extra=extra,
+                                          written=written, ledger=ledger)
+                client.send(Persist(step, prev_step, template, g.world_size))
+        return SnapshotJob(slot, snapshot_keys(state, experts, chain.stems, set(write)), meta,
+                           sizing=state, on_done=on_done, on_error=on_error, outcome=outcome)

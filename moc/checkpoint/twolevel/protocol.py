@@ -1,0 +1,88 @@
+"""The messages between the training ranks of a node and its persist process.
+
+One Unix socket per job (`<job dir>/persist.sock`); each training rank holds one
+connection; messages are these frozen dataclasses, pickled by
+`multiprocessing.connection` (authenticated by AUTHKEY).
+
+    rank r -> persist    Hello(rank)                  once, after connecting
+    rank r -> persist    Ready(rank, step, slot, write, held)
+                                                      its snapshot of `step` is complete
+                                                      in `slot`; it writes the keys `write`
+                                                      and holds the keys `held`
+    rank r -> persist    Failed(rank, step, error)    its snapshot of `step` failed: the
+                                                      persist of `step` must not wait for it
+    rank 0 -> persist    Persist(step, prev_step, template, world_size)
+                                                      persist `step` once every rank is
+                                                      Ready, chained to `prev_step`
+    rank 0 -> persist    Stop()                       the job is closing
+    persist -> rank 0    Done(step, ok, error, seconds, bytes_per_rank)
+                                                      `step` was committed (ok) or given up
+
+Ordering: a rank sends Ready or Failed for a step only after rank 0 decided to persist it
+(the decision is part of the plan, which every rank runs), but the persist process may
+receive a Ready before the Persist it belongs to; it keeps both until they meet. It runs
+one persist at a time, in the order of the Persist requests, and answers each with one
+Done. Ready and Failed messages of steps older than the one just finished are dropped.
+
+Liveness: the persist process exits, committing nothing more, when rank 0 (its parent) is
+gone; rank 0 reads a closed connection, or no Done within PERSIST_TIMEOUT_S of a persist
+it must wait for, as the persist process being gone (`PERSIST_GONE`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+AUTHKEY = b"moc-persist"
+PERSIST_GONE = "the persist process exited; checkpoints are kept in memory only"
+PERSIST_TIMEOUT_S = 600.0
+"""How long rank 0 waits for a persist that must finish (wait policy, flush, close)
+before declaring the persist process hung; longer than writing any sane checkpoint."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    step: int
+    slot: int
+    write: list[str]
+    """Keys of the snapshot this rank writes under the sharded plan."""
+    held: list[str]
+    """Every key this rank holds: the manifest keeps exactly the keys some rank holds."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    rank: int
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Persist:
+    step: int
+    prev_step: int | None
+    """The committed step whose manifest this one chains from (None: a new chain)."""
+    template: dict[str, Any]
+    """The manifest's fields except entries and files (JSON-ready)."""
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Done:
+    step: int
+    ok: bool
+    error: str | None = None
+    seconds: float = 0.0
+    bytes_per_rank: list[int] | None = field(default=None)

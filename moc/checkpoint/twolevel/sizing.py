@@ -1,0 +1,84 @@
+"""K_snapshot: how many experts a snapshot holds, and which (pure functions).
+
+A complete snapshot (K_snapshot = N) makes recovery from a process crash exact. Where the
+copy is the bottleneck (a GPU's device-to-host bandwidth), the paper's two-level PEC
+snapshots K_snapshot experts per layer and its adaptive configuration picks the largest
+K_snapshot whose copy still hides behind a forward and backward pass (`choose_k`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moc.checkpoint.policy.selection import SelectionContext, select_experts
+from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.twolevel.slots import SnapshotHeader
+
+
+def parse_k_snapshot(k_snapshot: int | str | None, n_experts: int) -> tuple[int, bool]:
+    """(K_snapshot to start with, whether `auto` sizes it later) for the user's value."""
+    if k_snapshot in (None, "all", "auto"):
+        return n_experts, k_snapshot == "auto"
+    if isinstance(k_snapshot, int) and not isinstance(k_snapshot, bool) and k_snapshot >= 1:
+        return min(k_snapshot, n_experts), False
+    raise ValueError(f"k_snapshot must be an integer >= 1, 'all' or 'auto', "
+                     f"got {k_snapshot!r}")
+
+
+def snapshot_experts(n_experts: int, n_moe_layers: int, k_snapshot: int, index: int, ep: int,
+                     persisted: list[list[int]] | None, first: bool) -> list[set[int]]:
+    """Experts per layer in a snapshot: K_snapshot of them in sequential rotation
+    (`index`: partial snapshots so far), plus those this checkpoint persists (the
+    persist reads them from the snapshot); all of them when K_snapshot = N or the chain
+    has no older copy yet (`first`)."""
+    if first or k_snapshot >= n_experts:
+        return [set(range(n_experts)) for _ in range(n_moe_layers)]
+    ctx = SelectionContext(index, n_experts, n_moe_layers, k_snapshot, ep=ep)
+    chosen = [set(e) for e in select_experts("sequential", ctx)]
+    for m, extra in enumerate(persisted or []):
+        chosen[m].update(extra)
+    return chosen
+
+
+def snapshot_keys(state: dict[str, torch.Tensor], experts: list[set[int]],
+                  stems: dict[str, int], write: set[str]) -> dict[str, torch.Tensor]:
+    """The part of `state` a snapshot copies: every non-expert key, the keys it persists
+    (`write`), and the expert keys of `experts`."""
+    out = {}
+    for key, t in state.items():
+        parsed = parse_expert_key(key)
+        if parsed is None or key in write or parsed[2] in experts[stems[parsed[1]]]:
+            out[key] = t
+    return out
+
+
+def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: float,
+             stems: dict[str, int], n_experts: int, n_moe_layers: int, floor: int
+             ) -> dict[str, Any]:
+    """The paper's adaptive configuration: the largest K_snapshot whose copy still hides
+    behind a forward and backward pass, from a copy just measured (its bytes in `header`
+    and its time `seconds`) and the time training ran meanwhile (`window`: save()
+    returning to wait_for_snapshot()) less the time the plan took before the copy
+    (`plan_s`). Never below `floor` (K_persist: the persist reads from the snapshot)."""
+    nbytes = {k: torch.Size(e.shape).numel() * _itemsize(e.dtype)
+              for k, e in header.entries.items()}
+    dense = sum(b for k, b in nbytes.items() if parse_expert_key(k) is None)
+    experts: dict[tuple[int, int], int] = {}
+    for k, b in nbytes.items():
+        parsed = parse_expert_key(k)
+        if parsed is not None:
+            at = (stems[parsed[1]], parsed[2])
+            experts[at] = experts.get(at, 0) + b
+    per_k = (sum(experts.values()) / max(1, len(experts))) * n_moe_layers
+    bandwidth = sum(nbytes.values()) / max(seconds, 1e-9)
+    budget = bandwidth * max(0.0, window - plan_s) - dense
+    k = int(budget // per_k) if per_k else n_experts
+    k = max(min(floor, n_experts), min(n_experts, k))
+    return {"k_snapshot": k, "window_s": window, "plan_s": plan_s, "copy_Bps": bandwidth,
+            "snapshot_s": seconds}
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()

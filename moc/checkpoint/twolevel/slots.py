@@ -1,0 +1,314 @@
+"""Level 1: a snapshot of one rank's state in node-local shared memory.
+
+Each rank owns three preallocated slots (triple buffering: one being written, one being
+persisted, one holding the newest complete snapshot for recovery) under
+
+    /dev/shm/moc-<job>/rank-<r>/slot-<i>.bin     the tensor bytes, 8-byte aligned
+    /dev/shm/moc-<job>/rank-<r>/slot-<i>.json    header: step, offsets, dtypes, CRC32s
+
+A slot's header is removed before the slot is overwritten and written (atomically, by
+rename) only after every byte is copied and checksummed, so a header exists exactly when
+the slot holds a complete snapshot. The files live in shared memory, not in a process:
+they survive the crash of the training process that wrote them, and a restarted rank
+reads them back. The slot files are mapped once and reused: no allocation per checkpoint
+once warm.
+
+The copy is run by the snapshot worker (`twolevel.worker`) on a background thread;
+this module only owns the slots: their files, mappings and headers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.format import tensor_bytes
+
+
+def shm_root() -> Path:
+    """Where node-local snapshots live: /dev/shm (tmpfs: they outlive processes, not the
+    node), or $MOC_SHM_ROOT."""
+    return Path(os.environ.get("MOC_SHM_ROOT", "/dev/shm"))
+
+N_SLOTS = 3
+"""Snapshot, persist and recovery roles rotate over three slots (the paper's triple
+buffer): a complete snapshot always exists while the next one is being taken."""
+_ALIGN = 8
+
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def job_dir(job: str) -> Path:
+    return shm_root() / f"moc-{job}"
+
+
+def default_job_id(ckpt_dir: str | Path) -> str:
+    """Stable across torchrun restarts of the same run: derived from the checkpoint dir."""
+    return hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+
+
+@dataclass(frozen=True)
+class SnapshotHeader:
+    step: int
+    entries: dict[str, SlotEntry]
+    meta: dict[str, Any]
+    """What the checkpointer needs to resume from this snapshot (loop state, token
+    ledger, policy state)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "meta": self.meta, "entries": {
+            k: [e.offset, e.dtype, list(e.shape), e.crc32] for k, e in self.entries.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotHeader:
+        d = json.loads(text)
+        return cls(int(d["step"]), {k: SlotEntry(int(o), str(t), tuple(s), int(c))
+                                    for k, (o, t, s, c) in d["entries"].items()}, d["meta"])
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    offsets, size = {}, 0
+    for key, t in tensors.items():
+        offsets[key] = size
+        n = t.numel() * t.element_size()
+        size += n + (-n % _ALIGN)
+    return offsets, size
+
+
+class SnapshotStore:
+    """The slots of one rank; written by that rank, read by its persist process and by
+    the rank after a restart."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.dir = job_dir(job) / f"rank-{rank:05d}"
+        self.rank = rank
+        self._maps: dict[int, torch.Tensor] = {}
+        self._pinned: set[int] = set()
+        self._reserved = -1  # the slot size every free slot has been reserved at
+
+    def sizes(self) -> dict[str, int]:
+        """Shared memory held by this rank's slots (`ckpt_host_bytes`) and one snapshot's
+        size (`snapshot_bytes`): the first is bounded by N_SLOTS times the second."""
+        sizes = [p.stat().st_size for p in map(self.bin_path, range(N_SLOTS)) if p.exists()]
+        return {"ckpt_host_bytes": sum(sizes), "snapshot_bytes": max(sizes, default=0)}
+
+    def bin_path(self, slot: int) -> Path:
+        return self.dir / f"slot-{slot}.bin"
+
+    def header_path(self, slot: int) -> Path:
+        return self.dir / f"slot-{slot}.json"
+
+    def _map(self, slot: int, size: int, allocate: bool = False) -> torch.Tensor:
+        """The slot's bytes as a shared mapping, kept for reuse. A writer (`allocate`)
+        sizes the file and reserves its pages up front: tmpfs allocates lazily, and a
+        full /dev/shm would otherwise kill the process with SIGBUS mid-copy instead of
+        failing here with ENOSPC. A reader maps what is there, never resizing it."""
+        buf = self._maps.get(slot)
+        if buf is None or buf.numel() != size:
+            self._unmap(slot)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.bin_path(slot)
+            if allocate and (not path.exists() or path.stat().st_size != size):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    if size:
+                        os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"cannot reserve {size / 1e6:.0f} MB for a snapshot in {self.dir}: "
+                        f"{e.strerror}; give the node more shared memory (e.g. docker "
+                        "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
+                finally:
+                    os.close(fd)
+            buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self._maps[slot] = buf
+        return buf
+
+    def _unmap(self, slot: int) -> None:
+        buf = self._maps.pop(slot, None)
+        if buf is not None and slot in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._pinned.discard(slot)
+
+    def release(self) -> None:
+        """Drop every mapping (and its pinned registration); the files stay."""
+        for slot in list(self._maps):
+            self._unmap(slot)
+
+    def invalidate_newer_than(self, step: int) -> None:
+        """Forget snapshots newer than `step`: after restoring `step`, they belong to a
+        run that will not continue and must never be combined with the new one."""
+        for slot, header in self.headers().items():
+            if header.step > step:
+                self.header_path(slot).unlink(missing_ok=True)
+
+    def _pin(self, slot: int, buf: torch.Tensor) -> None:
+        """Register a slot's mapping with CUDA once, so device-to-host copies into it
+        are asynchronous (pinned) rather than staged through pageable memory."""
+        if slot in self._pinned or buf.numel() == 0:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+        if int(rc) == 0:  # else: copies still work, synchronously
+            self._pinned.add(slot)
+
+    def headers(self) -> dict[int, SnapshotHeader]:
+        """Complete snapshots by slot (a slot without a readable header is not one)."""
+        out = {}
+        for slot in range(N_SLOTS):
+            try:
+                out[slot] = SnapshotHeader.from_json(self.header_path(slot).read_text())
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def write(self, slot: int, step: int, tensors: dict[str, torch.Tensor],
+              meta: dict[str, Any], ready: Any = None,
+              sizing: dict[str, torch.Tensor] | None = None) -> SnapshotHeader:
+        """Copy `tensors` into `slot` and publish its header. Blocks until done.
+
+        GPU tensors are copied on a side stream that first waits for `ready` (a CUDA
+        event recorded on the training stream when the checkpoint was requested), into
+        the slot's mapping registered as pinned memory, so the copies are asynchronous
+        DMA that overlaps the next forward and backward.
+        """
+        self.header_path(slot).unlink(missing_ok=True)  # the slot is now incomplete
+        # Laid out for the whole state (`sizing`), so that partial snapshots of different
+        # experts reuse the slot as it is instead of resizing it.
+        offsets, size = _layout(sizing if sizing is not None else tensors)
+        buf = self._map(slot, size, allocate=True)
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        on_gpu = device is not None
+        # The current device is per thread, and this runs on the snapshot thread: name
+        # the rank's device, or a rank on cuda:1 would pin, make its stream and copy
+        # against cuda:0, and synchronize a stream its copies never ran on.
+        with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+            views = self._copy(slot, buf, offsets, tensors, ready, on_gpu)
+        entries = {}
+        for key, t in tensors.items():
+            entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
+                                     tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
+        header = SnapshotHeader(step, entries, meta)
+        tmp = self.header_path(slot).with_suffix(".json.tmp")
+        tmp.write_text(header.to_json())
+        tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
+        self._reserve_free_slots(size)
+        return header
+
+    def _copy(self, slot: int, buf: torch.Tensor, offsets: dict[str, int],
+              tensors: dict[str, torch.Tensor], ready: Any, on_gpu: bool
+              ) -> dict[str, torch.Tensor]:
+        """Copy every tensor to its offset in `buf`; the slot's views of them. On a GPU
+        (inside the rank's device context): a side stream that waits for `ready`, into
+        the pinned mapping, and a wait for that stream before returning."""
+        stream = None
+        if on_gpu:
+            self._pin(slot, buf)
+            stream = torch.cuda.Stream()
+            if ready is not None:
+                stream.wait_event(ready)
+        views = {}
+        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            for key, t in tensors.items():
+                n = t.numel() * t.element_size()
+                dst = buf[offsets[key]:offsets[key] + n]
+                if n:
+                    dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=on_gpu)
+                views[key] = dst
+        if stream is not None:
+            stream.synchronize()  # blocks this (background) thread until the DMA is done
+        return views
+
+    def _reserve_free_slots(self, size: int) -> None:
+        """Reserve every other slot at this size once, right after the first copy: a
+        node short of shared memory then fails at the first checkpoint, not hours later
+        when a slow persist first needs the third slot, and later snapshots never pay
+        for allocation. A slot holding a complete snapshot (a recovery source) is left
+        as it is."""
+        if self._reserved == size:
+            return
+        headers = self.headers()
+        for slot in range(N_SLOTS):
+            if slot not in headers:
+                self._map(slot, size, allocate=True)
+        self._reserved = size
+
+    def read(self, slot: int, header: SnapshotHeader, verify: bool = True
+             ) -> dict[str, torch.Tensor]:
+        """Views of a complete snapshot's tensors (checked against their CRC32)."""
+        size = self.bin_path(slot).stat().st_size
+        buf = self._map(slot, size)
+        out = {}
+        for key, e in header.entries.items():
+            dtype = _DTYPE_NAMES[e.dtype]
+            n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
+            raw = buf[e.offset:e.offset + n]
+            if verify and zlib.crc32(tensor_bytes(raw)) != e.crc32:
+                raise CheckpointError(f"snapshot {self.dir}/slot-{slot} step {header.step}: "
+                                      f"checksum mismatch for {key!r}")
+            out[key] = raw.view(dtype).view(e.shape)
+        return out
+
+
+def claim_job(job: str) -> Path:
+    """Rank 0, at the start of a job: remove the snapshot directories of dead jobs, create
+    this job's and record its owner: the process whose life the snapshots belong to,
+    which under torchrun is the agent (it outlives restarts of the workers)."""
+    remove_stale_jobs(keep=job)
+    jdir = job_dir(job)
+    jdir.mkdir(parents=True, exist_ok=True)
+    owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    (jdir / "owner.pid").write_text(str(owner))
+    return jdir
+
+
+def remove_job(job: str) -> None:
+    shutil.rmtree(job_dir(job), ignore_errors=True)
+
+
+def remove_stale_jobs(keep: str) -> list[Path]:
+    """Delete snapshot directories of jobs whose owner process is gone (a finished or
+    abandoned job). `keep` (this job) is never touched: it may be our recovery source."""
+    removed = []
+    for d in shm_root().glob("moc-*"):
+        if d.name == f"moc-{keep}":
+            continue
+        try:
+            pid = int((d / "owner.pid").read_text())
+            os.kill(pid, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            # No owner file: a directory being set up right now, or not ours; only
+            # remove it when it has been left alone for a while.
+            if time.time() - d.stat().st_mtime < STALE_AFTER_S:
+                continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+STALE_AFTER_S = 3600
+"""A snapshot directory without a live owner record is stale after an hour untouched."""

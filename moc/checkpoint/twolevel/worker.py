@@ -1,0 +1,173 @@
+"""The snapshot thread of one rank: a plan, then a copy into a slot, behind forward and
+backward.
+
+    worker = SnapshotWorker()
+    handle = SnapshotHandle(worker, store, step, plan, ready)   # returns at once
+    ...                                                         # forward, backward
+    header = handle.wait()     # blocks until the copy is done: right before optimizer.step()
+
+The copy releases the GIL (tensor copies, zlib's CRC), so it overlaps the next forward
+and backward. `plan` decides what to copy and where; it may run collectives of its own
+(on the side group: see `moc.checkpoint.dist` for why that is safe on this thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+
+BACKGROUND_NICE = 10
+"""Niceness of checkpoint work (the snapshot thread, the persist process): on a machine
+whose cores training keeps busy, the copy then fills the gaps (ranks waiting on each
+other in collectives) instead of taking turns with the training thread."""
+
+
+def lower_priority() -> None:
+    """Run the calling thread at BACKGROUND_NICE (Linux: niceness is per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+class SnapshotWorker:
+    """One background thread, started at the first snapshot and kept: starting a thread
+    per snapshot cost the training thread a millisecond or more inside save()
+    (Thread.start waits for the new thread, which then competes for the GIL), and one
+    thread also keeps snapshots in order.
+
+    The thread is a daemon: its work may include a collective (the snapshot's plan), and
+    a process leaving on an error must not wait at exit for a collective its peers will
+    never enter. A snapshot cut short that way has no header, so it is never a recovery
+    source. Owner: the caller's thread (submit, stop).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the thread after the work submitted before; its future."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="moc-snapshot",
+                             daemon=True).start()
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        """Stop the thread after the work submitted before (blocks until then)."""
+        if self._jobs is not None:
+            done: Future = Future()
+            self._jobs.put((None, done))
+            done.result()
+            self._jobs = None
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The snapshot thread: run jobs in order until a None job, which it acknowledges."""
+    while True:
+        fn, future = jobs.get()
+        if fn is None:
+            future.set_result(None)
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:
+            future.set_exception(e)
+
+
+@dataclass
+class SnapshotJob:
+    """What one snapshot copies, decided on the snapshot thread (`SnapshotHandle`'s
+    plan)."""
+
+    slot: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    sizing: dict[str, torch.Tensor] | None = None
+    """The whole state the slot is laid out for (default: `tensors`)."""
+    on_done: Callable[[SnapshotHeader], None] | None = None
+    """Called on the snapshot thread once the snapshot is complete."""
+    on_error: Callable[[BaseException], None] | None = None
+    """Called on the snapshot thread if the copy fails (before wait() raises it)."""
+    outcome: Any = None
+    """What the plan decided that the caller reports (read after `wait()`)."""
+
+
+class SnapshotHandle:
+    """A snapshot being taken on the worker's thread: first `plan` decides what to copy
+    and where (it may run collectives of its own), then the copy.
+
+    Both run behind the next forward and backward pass, so deciding costs training no
+    more than copying: the caller pays for handing the work over, and for waiting in
+    `wait()` only when the two together outlast the window. The fields are written by
+    the worker's thread and read by the caller only after `wait()`.
+    """
+
+    def __init__(self, worker: SnapshotWorker, store: SnapshotStore, step: int,
+                 plan: Callable[[], SnapshotJob], ready: Any = None) -> None:
+        """`ready`: a CUDA event recorded on the training stream when the checkpoint was
+        requested; the copy waits for it (the state is final once the work queued before
+        it is done)."""
+        self.step = step
+        self.job: SnapshotJob | None = None
+        """The plan's decision (None until it is made, or if it failed)."""
+        self.plan_s = 0.0
+        """Time the plan took, before the copy started."""
+        self.seconds = 0.0
+        """Time the copy took."""
+        self.header: SnapshotHeader | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            lower_priority()
+            t0 = time.perf_counter()
+            try:
+                job = plan()
+            except BaseException as e:  # re-raised as it is by wait()
+                self._error = e
+                return
+            self.job = job
+            t1 = time.perf_counter()
+            self.plan_s = t1 - t0
+            try:
+                self.header = store.write(job.slot, step, job.tensors, job.meta, ready,
+                                          job.sizing)
+                self.seconds = time.perf_counter() - t1
+                if job.on_done is not None:
+                    job.on_done(self.header)
+            except BaseException as e:  # re-raised by wait() on the caller's thread
+                self._error = e
+                self.seconds = time.perf_counter() - t1
+                if job.on_error is not None:
+                    with contextlib.suppress(Exception):  # the copy's error is the report
+                        job.on_error(e)
+
+        self._future = worker.submit(run)
+
+    @property
+    def slot(self) -> int | None:
+        return self.job.slot if self.job is not None else None
+
+    def wait(self) -> SnapshotHeader:
+        """Blocks until the copy is complete; raises what the plan or the copy raised
+        (a failed plan, e.g. a peer lost in its collective, as it is)."""
+        self._future.result()  # run() keeps its own errors: this only waits
+        if self._error is not None:
+            if self.job is None:  # the plan failed
+                raise self._error
+            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
+                                  ) from self._error
+        assert self.header is not None
+        return self.header

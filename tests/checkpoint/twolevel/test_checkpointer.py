@@ -1,0 +1,256 @@
+"""Two-level checkpointing in one process: snapshot, persist process, memory recovery."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.store.steps import complete_steps, step_dir
+from moc.checkpoint.tools import verify_checkpoints
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.slots import job_dir
+from moc.model import ModelConfig, Transformer
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+CFG = ModelConfig(seq_len=8, d_model=32, n_layers=2, n_heads=2, d_ffn=64, n_experts=8)
+
+
+def _build(seed: int):
+    torch.manual_seed(seed)
+    model = Transformer(CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, ckpt, steps, start=1):
+    records = []
+    for step in range(start, start + steps):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        out = model(idx, idx)
+        out.loss.backward()
+        ckpt.wait_for_snapshot()
+        opt.step()
+        opt.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        records += ckpt.drain_completed()
+    return records
+
+
+def test_snapshots_persist_partially_and_a_crash_recovers_exactly_from_memory(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=2,
+                                persist_policy="wait")
+    _train(model, opt, ckpt, 8)
+    ckpt.flush()
+    records = ckpt.drain_completed()
+    ckpt.close(keep_snapshots=True)  # as after a crash: memory survives
+    assert complete_steps(root) == [2, 4, 6, 8]
+    assert verify_checkpoints(root).ok
+    assert records and all(r.snapshot_s is not None and r.persist_s is not None
+                           for r in records)
+
+    fresh, fresh_opt = _build(1)
+    resumed = TwoLevelCheckpointer(fresh, fresh_opt, root, policy=PECPolicy(k=1), interval=2)
+    report = resumed.restore()
+    assert (report.step, report.source, report.lost_tokens) == (8, "memory", 0)
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    for pa, pb in zip(model.parameters(), fresh.parameters(), strict=True):
+        for k in opt.state[pa]:
+            assert torch.equal(opt.state[pa][k], fresh_opt.state[pb][k])
+    resumed.close()
+    assert not job_dir(resumed.job).exists()  # a finished job leaves no shared memory
+
+
+def test_without_memory_recovery_comes_from_storage_and_counts_lost_tokens(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=2,
+                                persist_policy="wait")
+    _train(model, opt, ckpt, 6)
+    ckpt.close()  # removes the snapshots, as a node loss would
+    resumed = TwoLevelCheckpointer(*_build(1), root, policy=PECPolicy(k=1))
+    report = resumed.restore()
+    resumed.close()
+    assert (report.step, report.source) == (6, "storage")
+    assert report.lost_tokens > 0
+
+
+@pytest.mark.parametrize(("policy", "skipped"), [("skip", True), ("wait", False)])
+def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypatch,
+                                                              policy, skipped):
+    monkeypatch.setenv("MOC_PERSIST_STALL_S", "1.0")
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1,
+                                persist_policy=policy)
+    records = _train(model, opt, ckpt, 2)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    by_step = {r.step: r for r in records}
+    assert by_step[1].persist_skipped is False and by_step[1].persist_s >= 1.0
+    assert by_step[2].persist_skipped is skipped
+    assert complete_steps(tmp_path / "ckpt") == ([1] if skipped else [1, 2])
+
+
+def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tmp_path):
+    import os
+    import signal
+
+    from moc.checkpoint.twolevel.protocol import PERSIST_GONE
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    records = _train(model, opt, ckpt, 2)
+    # "wait": step 2's snapshot waits for step 1's persist, so once it is taken step 1
+    # is persisted.
+    ckpt.wait_for_snapshot()
+    os.kill(ckpt.persist.process.pid, signal.SIGKILL)
+    ckpt.persist.process.wait()
+    records += _train(model, opt, ckpt, 3, start=3)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close(keep_snapshots=True)
+    by_step = {r.step: r for r in records}
+    assert by_step[1].error is None  # step 2's persist may have been running when killed
+    assert all(by_step[s].error == PERSIST_GONE for s in (3, 4, 5))
+    assert complete_steps(root) in ([1], [1, 2])
+    resumed = TwoLevelCheckpointer(*_build(1), root)
+    report = resumed.restore()
+    resumed.close()
+    assert (report.step, report.source) == (5, "memory")
+
+
+def _train_keeping_copies(model, opt, ckpt, steps):
+    copies, records = {}, []
+    for step in range(1, steps + 1):
+        records += _train(model, opt, ckpt, 1, start=step)
+        copies[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return copies, records
+
+
+def test_a_partial_snapshot_restores_each_expert_from_its_newest_copy(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=1,
+                                persist_policy="wait", k_snapshot=2)
+    copies, _ = _train_keeping_copies(model, opt, ckpt, 9)
+    ckpt.close(keep_snapshots=True)
+    fresh, fresh_opt = _build(1)
+    resumed = TwoLevelCheckpointer(fresh, fresh_opt, root, policy=PECPolicy(k=1),
+                                   k_snapshot=2)
+    report = resumed.restore()
+    assert (report.step, report.source) == (9, "memory")
+    assert report.lost_tokens > 0  # some experts came from copies older than step 9
+    params = dict(fresh.named_parameters())
+    for name, p in params.items():
+        if "experts" not in name:
+            assert torch.equal(p, copies[9][name]), name
+    w1 = params["layers.0.ffn.experts.w1_LDF"]
+    sources = {}
+    for e in range(8):
+        matches = [s for s in range(1, 10)
+                   if torch.equal(w1[e], copies[s]["layers.0.ffn.experts.w1_LDF"][e])]
+        assert matches, f"expert {e} matches no saved step"
+        sources[e] = max(matches)
+    assert len({s for s in sources.values()}) > 1 and max(sources.values()) == 9
+    resumed.close()
+
+
+def test_auto_k_snapshot_measures_the_first_copy_and_chooses(tmp_path):
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=2),
+                                interval=1, persist_policy="wait", k_snapshot="auto")
+    records = _train(model, opt, ckpt, 3)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    chosen = [r.k_snapshot_chosen for r in records if r.k_snapshot_chosen]
+    assert len(chosen) == 1
+    choice = chosen[0]
+    assert 2 <= choice["k_snapshot"] <= 8
+    assert choice["window_s"] > 0 and choice["copy_Bps"] > 0
+    assert records[-1].k_snapshot == choice["k_snapshot"]
+
+
+def test_snapshots_newer_than_the_restored_step_are_forgotten(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    _train(model, opt, ckpt, 7)
+    ckpt.close(keep_snapshots=True)
+    store = ckpt.store
+    (slot7,) = [s for s, h in store.headers().items() if h.step == 7]
+    raw = bytearray(store.bin_path(slot7).read_bytes())
+    raw[100] ^= 0xFF  # step 7's snapshot no longer verifies, and its persisted copy
+    store.bin_path(slot7).write_bytes(bytes(raw))  # is gone too
+    shutil.rmtree(step_dir(root, 7))
+    resumed = TwoLevelCheckpointer(*_build(1), root)
+    report = resumed.restore()
+    assert (report.step, report.source) == (6, "memory")
+    assert max(h.step for h in resumed.store.headers().values()) == 6
+    resumed.close()
+
+
+def test_snapshots_of_another_model_are_not_resumed(tmp_path):
+    from moc.checkpoint.errors import IncompatibleCheckpointError
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, model_meta={"config": "a"})
+    _train(model, opt, ckpt, 2)
+    ckpt.close(keep_snapshots=True)
+    other = TwoLevelCheckpointer(*_build(1), root, model_meta={"config": "b"})
+    with pytest.raises(IncompatibleCheckpointError, match="config: checkpoint 'a' vs now 'b'"):
+        other.restore()
+    other.close()
+
+
+def test_a_failed_snapshot_is_raised_once_and_the_chain_goes_on(tmp_path, monkeypatch):
+    """A copy that fails (here: a full /dev/shm) raises once on the caller's thread, its
+    persist is abandoned instead of waited for, and later checkpoints persist as usual."""
+    from moc.checkpoint.errors import CheckpointError
+
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    records = _train(model, opt, ckpt, 2)
+    ckpt.wait_for_snapshot()  # step 2's copy is done before the shared memory "fills"
+    real_write = ckpt.store.write
+
+    def full_shm(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.store, "write", full_shm)
+    ckpt.save(3, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed.*No space left"):
+        ckpt.wait_for_snapshot()
+    assert ckpt.wait_for_snapshot() is None  # raised once, not at every later call
+    monkeypatch.setattr(ckpt.store, "write", real_write)
+    records += _train(model, opt, ckpt, 2, start=4)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    assert sorted(r.step for r in records if r.error is None) == [1, 2, 4, 5]
+    assert complete_steps(root) == [1, 2, 4, 5]
+    assert verify_checkpoints(root).ok
+
+
+def test_restore_in_the_middle_of_a_run_first_finishes_the_checkpoint_in_flight(tmp_path):
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1)
+    _train(model, opt, ckpt, 3)  # step 3's snapshot and persist are still in flight
+    with pytest.raises(ValueError, match="step 3 is already being checkpointed"):
+        ckpt.save(3, {"step": 3})
+    report = ckpt.restore()
+    # Finished before the restore, not racing it: every record is complete now.
+    assert [r.step for r in ckpt.drain_completed()][-1] == 3
+    assert not ckpt.pending
+    assert (report.step, report.source) == (3, "memory")
+    ckpt.close()

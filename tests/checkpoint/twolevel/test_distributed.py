@@ -1,0 +1,212 @@
+"""Two-level recovery on real ranks: one rank's snapshot is gone, the other's is not."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.slots import default_job_id, job_dir
+from moc.parallel import clip_grad_norm_, sync_gradients
+from tests.distributed import build_sharded, run_ranks
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+
+def _train(rank: int, world: int, root: str, policy: PECPolicy | None = None,
+           k_snapshot: int | None = None) -> dict[str, torch.Tensor]:
+    groups, model, opt = build_sharded(1)  # every expert replicated
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups,
+                                policy=policy or PECPolicy(k=1), interval=1,
+                                persist_policy="wait", k_snapshot=k_snapshot)
+    for step in range(1, 5):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(10 * step
+                                                                                     + rank))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        clip_grad_norm_(model, groups, 1.0)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+    ckpt.close(keep_snapshots=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _restore(rank: int, world: int, root: str) -> dict:
+    groups, model, opt = build_sharded(1)  # every expert replicated
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1))
+    report = ckpt.restore()
+    ckpt.close()
+    return {"step": report.step, "source": report.source, "lost": report.lost_tokens,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(_train, 2, root)
+    shutil.rmtree(job_dir(default_job_id(root)) / "rank-00001")  # rank 1 lost its memory
+    results = run_ranks(_restore, 2, root)
+    for res in results:
+        assert (res["step"], res["source"]) == (4, "mixed")
+        assert res["lost"] == 0  # every expert's weights came back from rank 0's memory
+        for name, p in res["params"].items():
+            assert torch.equal(p, saved[0][name]), name
+
+
+LOSSY = PECPolicy(k=1, dynamic_k=True, plt_threshold=0.01)
+"""K = 1 of 4 experts per layer and a 1% budget: a recovery from partial copies loses
+tokens, and Dynamic-K raises K."""
+SOURCES = {"memory": None, "storage": "", "mixed": "rank-00001"}
+"""How much of the node's memory each recovery finds: all, none, all but rank 1's."""
+
+
+def _restore_each(rank: int, world: int, base: str) -> dict:
+    out = {}
+    for name in SOURCES:
+        groups, model, opt = build_sharded(1)
+        ckpt = TwoLevelCheckpointer(model, opt, f"{base}/{name}", groups=groups,
+                                    policy=LOSSY, job=f"three-{name}", k_snapshot=1)
+        r = ckpt.restore()
+        ckpt.close()
+        out[name] = {"report": (r.source, r.step, r.plt, r.lost_tokens, r.lost_per_layer,
+                                r.k_before, r.k),
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_memory_storage_and_mixed_recovery_account_the_same_fault_alike(tmp_path):
+    """The same fault recovered from memory, from storage and from both (each rank from
+    what survived) reports the same step, PLT, lost tokens and K: every kind of recovery
+    accounts through the one token ledger. With K_snapshot = K_persist = 1 and the wait
+    policy a snapshot holds exactly the copies that reach storage, so all three restore
+    the same state, and lose the same tokens."""
+    import os
+
+    root = tmp_path / "ckpt"
+    run_ranks(_train, 2, str(root), LOSSY, 1)
+    for name, wipe in SOURCES.items():
+        shutil.copytree(root, tmp_path / name)
+        memory = job_dir(f"three-{name}")
+        shutil.copytree(job_dir(default_job_id(root)), memory)
+        (memory / "owner.pid").write_text(str(os.getpid()))  # alive: not a stale job
+        if wipe is not None:
+            shutil.rmtree(memory / wipe)
+    for res in run_ranks(_restore_each, 2, str(tmp_path)):
+        reports = {name: r["report"] for name, r in res.items()}
+        assert [r[0] for r in reports.values()] == list(SOURCES)
+        _, step, plt, lost, per_layer, k_before, k = reports["storage"]
+        assert step == 4 and lost > 0 and sum(per_layer) == lost and plt > 0.01
+        assert (k_before, k) == (1, 2)  # Dynamic-K: over budget, K doubles
+        for name, report in reports.items():
+            assert report[1:] == reports["storage"][1:], name
+            for n, p in res[name]["params"].items():
+                assert torch.equal(p, res["storage"]["params"][n]), (name, n)
+
+
+def _save_while_the_peer_is_late(rank: int, world: int, root: str) -> dict:
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1)
+    out = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    out.loss.backward()
+    opt.step()
+    ckpt.record_routing(out.tokens_per_expert)
+    marker = Path(root) / "rank-0-save-returned"
+    seen = None
+    if rank == 0:
+        ckpt.save(1, {"step": 1})  # its collective waits for rank 1; save() must not
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    else:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = marker.exists()
+        ckpt.save(1, {"step": 1})
+    ckpt.wait_for_snapshot()
+    ckpt.flush()
+    records = ckpt.drain_completed()
+    ckpt.close()
+    return {"seen": seen, "records": [(r.step, r.error, r.persist_skipped) for r in records]}
+
+
+def test_save_returns_before_its_collective_so_a_late_peer_does_not_stall_it(tmp_path):
+    """save() hands the collective (persist results, token counts) to the snapshot
+    thread: rank 0's save returns while rank 1 has not even called save yet, and the
+    checkpoint still completes on both."""
+    results = run_ranks(_save_while_the_peer_is_late, 2, str(tmp_path / "ckpt"))
+    assert results[1]["seen"] is True
+    for res in results:
+        assert res["records"] == [(1, None, False)]
+
+
+def _exchange_on(rank: int, world: int) -> list:
+    from moc.checkpoint.dist import SHARE_BYTES, Dist
+    from moc.parallel import ParallelGroups
+
+    dist = Dist(ParallelGroups.from_world(1, 4))
+    out = []
+    for share in ([("done", 5, True, None, 0.1, [1, 2])], "x" * (2 * SHARE_BYTES)):
+        counts = torch.full((2, 4), rank + 1, dtype=torch.int64)
+        mine = share if rank == 0 else None  # only rank 0's share counts
+        out.append((dist.exchange(mine, counts), counts.tolist()))
+    return out
+
+
+def test_persist_results_and_token_counts_travel_in_one_exchange():
+    """Rank 0's results reach every rank and the counts are summed, also when the
+    results are too large for the all-reduce and take the fallback broadcast."""
+    from moc.checkpoint.dist import SHARE_BYTES
+
+    for got in run_ranks(_exchange_on, 2):
+        (small, counts_a), (large, counts_b) = got
+        assert small == [("done", 5, True, None, 0.1, [1, 2])]
+        assert large == "x" * (2 * SHARE_BYTES)
+        assert counts_a == counts_b == [[3] * 4] * 2
+
+
+def _retention_fails_on_rank_0(rank: int, world: int, root: str) -> list:
+    import moc.checkpoint.store.retention as retention
+    from moc.checkpoint.errors import CheckpointError
+
+    def full_disk(root, keep_last):
+        raise OSError(28, "No space left on device")
+
+    retention.apply_retention = full_disk  # only rank 0 runs retention
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait", keep_last=1)
+    raised = []
+    for step in range(1, 7):
+        out = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+        out.loss.backward()
+        try:
+            ckpt.wait_for_snapshot()
+        except CheckpointError as e:
+            raised.append((step, str(e)))
+        opt.step()
+        model.zero_grad()
+        ckpt.maybe_save(step, {"step": step})
+    try:
+        ckpt.close()
+    except CheckpointError as e:
+        raised.append(("close", str(e)))
+    return raised
+
+
+def test_an_error_of_rank_0s_background_work_is_raised_on_every_rank(tmp_path):
+    """Retention runs on rank 0 when a commit is learned, on its snapshot thread; its
+    failure must reach every rank (at the same step), not stop rank 0 alone."""
+    results = run_ranks(_retention_fails_on_rank_0, 2, str(tmp_path / "ckpt"))
+    assert results[0] == results[1] and results[0], results
+    step, message = results[0][0]
+    assert isinstance(step, int) and "deleting old checkpoints" in message
+    assert "No space left on device" in message

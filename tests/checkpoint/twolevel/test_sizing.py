@@ -1,0 +1,69 @@
+"""K_snapshot: how many experts a snapshot holds and which (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot, snapshot_experts
+from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader
+
+N, LAYERS = 8, 2
+
+
+def _header() -> SnapshotHeader:
+    """Dense state of 1,000 float32 (4 kB); each expert of each layer 250 float32 (1 kB)."""
+    entries = {"param/dense": SlotEntry(0, "float32", (1000,), 0)}
+    for m in range(LAYERS):
+        for e in range(N):
+            entries[f"param/l{m}.experts.w/expert={e}"] = SlotEntry(0, "float32", (250,), 0)
+    return SnapshotHeader(1, entries, {})
+
+
+STEMS = {f"l{m}.experts.w": m for m in range(LAYERS)}
+
+
+def test_auto_takes_the_largest_k_whose_copy_fits_the_window():
+    # 20 kB copied in 1 s: 20 kB/s. A window of 0.6 s less 0.1 s of planning copies
+    # 10 kB: the 4 kB of dense state and 3 experts per layer (2 kB each).
+    choice = choose_k(_header(), seconds=1.0, window=0.6, plan_s=0.1, stems=STEMS,
+                      n_experts=N, n_moe_layers=LAYERS, floor=1)
+    assert choice["k_snapshot"] == 3
+    assert choice["copy_Bps"] == pytest.approx(20_000)
+    assert (choice["window_s"], choice["plan_s"]) == (0.6, 0.1)
+
+
+def test_auto_never_goes_below_k_persist_nor_above_n():
+    tight = choose_k(_header(), seconds=1.0, window=0.1, plan_s=0.1, stems=STEMS,
+                     n_experts=N, n_moe_layers=LAYERS, floor=2)
+    assert tight["k_snapshot"] == 2  # the persist reads its experts from the snapshot
+    roomy = choose_k(_header(), seconds=1.0, window=60.0, plan_s=0.0, stems=STEMS,
+                     n_experts=N, n_moe_layers=LAYERS, floor=1)
+    assert roomy["k_snapshot"] == N
+
+
+def test_a_snapshot_holds_its_rotation_plus_what_it_persists():
+    assert snapshot_experts(N, LAYERS, 2, 0, 1, None, first=True) == [set(range(N))] * 2
+    assert snapshot_experts(N, LAYERS, N, 5, 1, None, first=False) == [set(range(N))] * 2
+    rotation = snapshot_experts(N, LAYERS, 2, 0, 1, None, first=False)
+    assert rotation == [{0, 1}, {2, 3}]  # sequential: layer m starts at K (m + c)
+    with_persist = snapshot_experts(N, LAYERS, 2, 0, 1, [[7], [0]], first=False)
+    assert with_persist == [{0, 1, 7}, {0, 2, 3}]
+    # Over N / K snapshots every expert is in one.
+    seen = [set(), set()]
+    for c in range(N // 2):
+        for m, ids in enumerate(snapshot_experts(N, LAYERS, 2, c, 1, None, first=False)):
+            seen[m] |= ids
+    assert seen == [set(range(N))] * 2
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, (N, False)), ("all", (N, False)), ("auto", (N, True)), (3, (3, False)),
+    (99, (N, False))])
+def test_k_snapshot_values(value, expected):
+    assert parse_k_snapshot(value, N) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "some", 2.5, True])
+def test_bad_k_snapshot_is_a_clear_error(value):
+    with pytest.raises(ValueError, match="k_snapshot must be an integer >= 1, 'all' or 'auto'"):
+        parse_k_snapshot(value, N)

@@ -1,0 +1,92 @@
+"""The snapshot slots in shared memory: complete exactly when their header exists."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.slots import SnapshotStore, job_dir, remove_stale_jobs
+
+
+def _state() -> dict[str, torch.Tensor]:
+    base = torch.randn(4, 3)
+    return {"a": base[1], "b": torch.randn(5).bfloat16(), "step": torch.tensor(7.0),
+            "mask": torch.tensor([True, False]), "ids": torch.arange(3)}
+
+
+def test_snapshot_round_trips_every_dtype_and_reuses_its_mapping():
+    store = SnapshotStore("job", rank=0)
+    state = _state()
+    store.write(0, 10, state, {"extra": 1})
+    first = store._maps[0]
+    headers = store.headers()
+    assert list(headers) == [0] and headers[0].step == 10 and headers[0].meta == {"extra": 1}
+    got = SnapshotStore("job", rank=0).read(0, headers[0])  # a restarted process
+    for k, t in state.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    store.write(0, 20, state, {})
+    assert store._maps[0] is first  # warm: no new allocation
+
+
+def test_the_first_copy_reserves_every_free_slot_but_leaves_a_snapshot_alone():
+    old = SnapshotStore("job", rank=0)
+    old.write(2, 5, {"x": torch.arange(3)}, {})  # a recovery source of another size
+    old_bytes = old.bin_path(2).read_bytes()
+    store = SnapshotStore("job", rank=0)
+    store.write(0, 10, _state(), {})
+    size = store.bin_path(0).stat().st_size
+    assert store.bin_path(1).stat().st_size == size  # reserved up front, not when needed
+    assert store.bin_path(2).read_bytes() == old_bytes and 2 in store.headers()
+    assert 1 not in store.headers()  # reserved is not complete
+
+
+def test_a_slot_is_not_a_snapshot_until_its_header_is_written(monkeypatch):
+    store = SnapshotStore("job", rank=0)
+    store.write(1, 10, _state(), {})
+    assert 1 in store.headers()
+    # While slot 1 is overwritten its header is gone: a crash mid-copy leaves no snapshot.
+    calls = []
+    real = torch.Tensor.copy_
+
+    def crash_mid_copy(self, src, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", crash_mid_copy)
+    with pytest.raises(RuntimeError):
+        store.write(1, 20, _state(), {})
+    monkeypatch.undo()
+    assert 1 not in store.headers()
+
+
+def test_a_flipped_byte_in_memory_is_detected():
+    store = SnapshotStore("job", rank=0)
+    header = store.write(0, 10, {"w": torch.ones(64)}, {})
+    raw = bytearray(store.bin_path(0).read_bytes())
+    raw[5] ^= 0xFF
+    store.bin_path(0).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch for 'w'"):
+        SnapshotStore("job", rank=0).read(0, header)
+
+
+def test_stale_jobs_of_dead_owners_are_removed_but_not_ours_or_live_ones():
+    for job, pid in (("dead", 2**22 + 12345), ("alive", os.getpid()), ("ours", 2**22 + 1)):
+        job_dir(job).mkdir(parents=True)
+        (job_dir(job) / "owner.pid").write_text(str(pid))
+    removed = remove_stale_jobs(keep="ours")
+    assert [p.name for p in removed] == ["moc-dead"]
+    assert job_dir("alive").exists() and job_dir("ours").exists()
+
+
+def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", no_space)
+    with pytest.raises(CheckpointError, match=r"cannot reserve .* shared memory"):
+        SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(1000)}, {})
