@@ -150,3 +150,18 @@ def test_expert_spec_recognises_a_model_it_never_imported_by_its_structure():
     model.mixture = Batched()  # not named "experts"
     spec = ExpertSpec.infer(model, n_experts=4)
     assert [p.global_ids for p in spec.params] == [(2, 3)]
+
+    class Block(nn.Module):
+        """A block that declares `expert_offset` and holds its gate beside its experts:
+        the block is not an expert container, its `experts` are."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.expert_offset = 0
+            self.gate = nn.Parameter(torch.zeros(4, 8))
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    spec = ExpertSpec.infer(model)
+    assert spec.n_moe_layers == 2 and not [p for p in spec.params if "gate" in p.name]

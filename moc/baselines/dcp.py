@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
+from moc.checkpoint.dist import RankError
 from moc.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -478,14 +479,14 @@ def load_step(root: Path, step: int, parts: EngineParts) -> dict[str, Any]:
     fails leaves the model as it was for the next older one. Every rank checks what it
     can alone first and the ranks agree on it, so none enters `dcp.load` alone."""
     path = dcp_step_dir(root, step)
-    error: BaseException | None = None
+    error: RankError | None = None
     meta, state = None, None
     try:
         meta = check_dcp_step(root, step, parts.model_meta)
         state = _placeholders(path, parts.state)
-    except DCP_ERRORS as e:  # without its traceback: see recovery.restore_loop
-        error = (e.with_traceback(None) if isinstance(e, CheckpointError)
-                 else CorruptCheckpointError(f"{path}: {_describe(e)}"))
+    except DCP_ERRORS as e:  # kept as data, not the exception: see recovery.restore_loop
+        error = RankError.of(parts.dist.rank, e if isinstance(e, CheckpointError) else
+                             CorruptCheckpointError(f"{path}: {_describe(e)}"))
     parts.dist.raise_if_any(error)
     assert meta is not None and state is not None
     try:

@@ -77,6 +77,12 @@ class RankError:
     """The exception's class name."""
     message: str
 
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> RankError:
+        """`error` as plain data: keeping the exception would keep its traceback's
+        frames (and the process groups they reference) alive."""
+        return cls(rank, type(error).__name__, str(error))
+
 
 class Dist:
     """The collectives of one rank's checkpoint engine (see the module docstring for
@@ -166,7 +172,12 @@ class Dist:
         shapes travel as objects; the bytes travel as one flat uint8 buffer per rank,
         padded to the largest, in a single tensor gather."""
         group = self.groups.edp_side_group if edp else self._group
-        if not self.enabled or dist.get_world_size(group) == 1:
+        if not self.enabled:
+            return [tensors]
+        if group is None:  # None would mean the world group here: a silent mismatch
+            raise ValueError("ParallelGroups.edp_side_group is not set; build the groups "
+                             "with ParallelGroups.from_world(ep, n_experts)")
+        if dist.get_world_size(group) == 1:
             return [tensors]
         meta, flat = _pack(tensors)
         size = dist.get_world_size(group)
@@ -184,17 +195,17 @@ class Dist:
 
     # -- failures --------------------------------------------------------------------------
 
-    def agree(self, error: BaseException | str | None) -> list[RankError]:
+    def agree(self, error: BaseException | RankError | str | None) -> list[RankError]:
         """Every rank's failure (None: this rank succeeded), the same list on every
         rank; empty when every rank succeeded. Collective: call it whatever happened."""
-        mine = None
+        mine = error if isinstance(error, RankError) else None
         if isinstance(error, BaseException):
-            mine = RankError(self.rank, type(error).__name__, str(error))
-        elif error is not None:
+            mine = RankError.of(self.rank, error)
+        elif isinstance(error, str):
             mine = RankError(self.rank, CheckpointError.__name__, error)
         return [e for e in self.all_gather(mine) if e is not None]
 
-    def raise_if_any(self, error: BaseException | str | None) -> None:
+    def raise_if_any(self, error: BaseException | RankError | str | None) -> None:
         """Raise the same exception on every rank if any rank failed (see the module
         docstring for its type). Collective."""
         raise_failures(self.agree(error), self.world_size)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from moc.checkpoint.api import RecoveryReport
-from moc.checkpoint.dist import Dist, describe, raise_failures
+from moc.checkpoint.dist import Dist, RankError, describe, raise_failures
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
@@ -56,13 +56,14 @@ def restore_loop(candidates: Iterable[C], attempt: Callable[[C], T], dist: Dist,
         value, error = None, None
         try:
             value = attempt(candidate)
-        # Errors are kept without their traceback, which holds this frame, which holds
-        # the error: that cycle kept the process groups alive until interpreter exit,
-        # where tearing gloo down then aborted the process (seen in tests).
+        # Only the error's kind and message are kept: the exception itself (its
+        # traceback, and those of the exceptions it was raised from) holds this frame,
+        # which would hold the exception; that cycle kept the process groups alive until
+        # interpreter exit, where tearing gloo down aborted the process (seen in tests).
         except IncompatibleCheckpointError as e:
-            error = e.with_traceback(None)
+            error = RankError.of(dist.rank, e)
         except skip as e:
-            error = e.with_traceback(None)
+            error = RankError.of(dist.rank, e)
         failures = dist.agree(error)
         if any(f.kind == IncompatibleCheckpointError.__name__ for f in failures):
             raise_failures(failures, dist.world_size)

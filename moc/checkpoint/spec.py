@@ -117,7 +117,11 @@ class ExpertSpec:
         global id of its local expert 0, as moc's own `Experts` does) and holds batched
         parameters. No model class is imported: a model this package has never seen is
         recognised the same way. Raises ValueError when there is none."""
-        modules = [name for name, m in model.named_modules() if _is_expert_container(name, m)]
+        modules: list[str] = []
+        for name, m in model.named_modules():
+            inside = any(name.startswith(f"{outer}.") or not outer for outer in modules)
+            if _is_expert_container(name, m) and not inside:
+                modules.append(name)
         if not modules:
             raise ValueError("ExpertSpec.infer found no expert container (a module named "
                              "'experts'); build the spec with ExpertSpec.from_modules")
@@ -172,9 +176,12 @@ def slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor
 
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:
+    """Named `experts`; or a leaf module (no submodules: a block that holds its gate and
+    its experts is not one) that declares `expert_offset` and holds batched parameters
+    only."""
     if name.rsplit(".", 1)[-1] == "experts":
         return True
-    if getattr(module, "expert_offset", None) is None:
+    if getattr(module, "expert_offset", None) is None or next(module.children(), None):
         return False
     direct = list(module.parameters(recurse=False))
     return bool(direct) and all(p.dim() >= 1 for p in direct)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
-from moc.checkpoint.dist import Dist
+from moc.checkpoint.dist import Dist, raise_failures
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.plan.units import Wanted, rank_share
@@ -143,15 +143,15 @@ class Checkpointer(CheckpointEngine):
         selected = chain.select(step, ledger)
         wanted = chain.wanted(selected, step)
         tensors = self.placement.tensors(WriteContext(parts.state, g, dist), wanted)
-        error = None
+        begun = None
         if g.rank == 0:
             try:
                 begin_step(self.root, step)
             except OSError as e:
-                error = f"rank 0 could not create the step directory: {e}"
-        error = dist.broadcast(error)
-        entries, nbytes = {}, 0
-        if tensors and error is None:
+                begun = f"rank 0 could not create the step directory: {e}"
+        begun = dist.broadcast(begun)  # every rank skips writing into a missing directory
+        entries, nbytes, error = {}, 0, None
+        if tensors and begun is None:
             entries, nbytes, error = self._write(step, tensors)
         # Every rank learns every entry (the next checkpoint's chain needs them) and
         # every failure (so that all ranks take the same path from here).
@@ -160,7 +160,7 @@ class Checkpointer(CheckpointEngine):
         bytes_per_rank = [0] * g.world_size
         for rank, _, rank_bytes, _, _ in reports:
             bytes_per_rank[rank] = rank_bytes
-        errors = "; ".join(r[3] for r in reports if r[3])
+        errors = "; ".join([begun] if begun else [r[3] for r in reports if r[3]])
         written = chain.written(selected, step)
         if not errors:
             errors = self._commit(step, extra_state, reports, written) or ""
@@ -228,6 +228,11 @@ class Checkpointer(CheckpointEngine):
         return resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain, p.ledger)
 
     def close(self) -> None:
-        """Finish background work (retention) and raise any error it met."""
+        """Finish background work (retention) and raise any error it met, on every
+        rank. Collective."""
+        # A retention error met at the last save has no later save to share it.
+        failures = self.parts.dist.agree(self._retention_error)
+        self._retention_error = None
         if self.parts.retention is not None:
             self.parts.retention.close()
+        raise_failures(failures, self.parts.groups.world_size)

@@ -74,3 +74,31 @@ def test_ranks_agree_a_candidate_one_rank_cannot_load_is_skipped_by_all():
     for (value, skipped), incompatible in run_ranks(_one_rank_sees_corruption, 2):
         assert value == 1 and skipped == [(3, "rank 1: flipped bit in step 3")]
         assert incompatible == "rank 0: step 2 is of another model"  # raised everywhere
+
+
+def test_a_skipped_candidate_leaves_no_reference_cycle_behind():
+    """Keeping a caught exception in the loop's frame made a cycle (its traceback, or
+    that of the exception it was raised from, holds the frame) that kept the process
+    groups alive until interpreter exit, where tearing gloo down aborted the process.
+    Whatever the loop referenced must be freed as soon as it returns, without the GC."""
+    import gc
+    import weakref
+
+    class Steps(list):  # weak-referenceable, and held by the loop's frame
+        pass
+
+    def attempt(step: int) -> None:
+        try:
+            raise OSError(5, "Input/output error")
+        except OSError:
+            raise CorruptCheckpointError(f"step {step}: unreadable") from None
+
+    steps = Steps([2, 1])
+    alive = weakref.ref(steps)
+    gc.disable()
+    try:
+        assert restore_loop(steps, attempt, ONE)[0] is None
+        del steps
+        assert alive() is None
+    finally:
+        gc.enable()

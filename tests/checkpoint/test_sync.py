@@ -253,3 +253,22 @@ def test_a_rank_that_fails_to_write_leaves_the_previous_checkpoint_newest(tmp_pa
     assert complete_steps(tmp_path) == [1]
     assert save_now(ckpt, 3).ok  # the chain goes on from step 1
     assert Manifest.load(tmp_path, 3).policy["index"] == 1
+
+
+def test_a_retention_error_of_the_last_save_is_raised_by_close(tmp_path, monkeypatch):
+    """Deleting old steps fails in the background; with no later save to report it,
+    close() must, and never swallow it."""
+    import moc.checkpoint.store.retention as retention
+    from moc.checkpoint.errors import CheckpointError
+
+    def full_disk(root, keep_last):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(retention, "apply_retention", full_disk)
+    model, opt = _pec_model()
+    ckpt = Checkpointer(model, opt, tmp_path, policy=PECPolicy(k=1), interval=1, keep_last=1)
+    ckpt.save(1)
+    ckpt.parts.retention.wait()  # the background deletion step 1 asked for has failed
+    ckpt.save(2)  # its request finds the error and keeps it for every rank
+    with pytest.raises(CheckpointError, match=r"deleting old checkpoints.*No space left"):
+        ckpt.close()

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
+from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
@@ -275,9 +276,11 @@ class TwoLevelCheckpointer(CheckpointEngine):
     def close(self, keep_snapshots: bool = False) -> None:
         """Wait for the snapshot and the persist in flight, stop the persist process and
         remove this job's shared memory (unless `keep_snapshots`). Collective."""
+        failures = []
         try:
             self.flush()
-            self.parts.dist.barrier()
+            # A retention error learned in that flush has no later plan to share it.
+            failures = self.parts.dist.agree(self.planner.take_error())
         finally:
             try:
                 self.persist.stop()
@@ -289,3 +292,4 @@ class TwoLevelCheckpointer(CheckpointEngine):
         if self.parts.retention is not None:
             self.parts.retention.close()
         self._raise_shared_error()
+        raise_failures(failures, self.parts.groups.world_size)

@@ -143,6 +143,12 @@ class SnapshotPlanner:
                 self.committed(result.step)
         self.in_flight = in_flight
 
+    def take_error(self) -> str | None:
+        """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last
+        plan); None elsewhere."""
+        error, self._error = self._error, None
+        return error
+
     def committed(self, step: int) -> None:
         """The chain continues from `step`'s manifest, just committed."""
         manifest = Manifest.load(self.config.root, step)

@@ -254,3 +254,22 @@ def test_restore_in_the_middle_of_a_run_first_finishes_the_checkpoint_in_flight(
     assert not ckpt.pending
     assert (report.step, report.source) == (3, "memory")
     ckpt.close()
+
+
+def test_a_retention_error_learned_in_close_is_raised_by_close(tmp_path, monkeypatch):
+    """The commit of the last checkpoint is learned in close()'s own flush; a retention
+    error it meets has no later plan to travel with, and close() must raise it."""
+    import moc.checkpoint.store.retention as retention
+    from moc.checkpoint.errors import CheckpointError
+
+    def full_disk(root, keep_last):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(retention, "apply_retention", full_disk)
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait", keep_last=1)
+    _train(model, opt, ckpt, 2)
+    with pytest.raises(CheckpointError, match=r"deleting old checkpoints.*No space left"):
+        ckpt.close()
+    assert not job_dir(ckpt.job).exists()  # cleaned up all the same
