@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ class PlanOutcome:
 class PlanConfig:
     """What the plans of one engine have in common."""
 
-    root: Any
+    root: Path
+    """The checkpoint directory (manifests committed by the persist process)."""
     mode: str
     model_meta: dict[str, Any]
     persist_policy: str
