@@ -126,9 +126,8 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self.persist = PersistClient(self.job, p.root, p.groups.rank)
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
-            PlanConfig(p.root, p.mode, p.model_meta, persist_policy), k)
-        if p.retention is not None:
-            self.planner.on_commit = p.retention.request
+            PlanConfig(p.root, p.mode, p.model_meta, persist_policy), k,
+            on_commit=p.retention.request if p.retention is not None else None)
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}

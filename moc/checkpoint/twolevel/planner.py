@@ -71,7 +71,8 @@ class SnapshotPlanner:
 
     def __init__(self, state: RankState, groups: ParallelGroups, dist: Dist,
                  chain: ChainState, ledger: TokenLedger, client: PersistClient,
-                 config: PlanConfig, k_snapshot: int) -> None:
+                 config: PlanConfig, k_snapshot: int,
+                 on_commit: Callable[[], None] | None = None) -> None:
         self.state, self.groups, self.dist = state, groups, dist
         self.chain, self.ledger, self.client, self.config = chain, ledger, client, config
         self.k_snapshot = k_snapshot
@@ -90,7 +91,7 @@ class SnapshotPlanner:
         """The step being persisted (None: none)."""
         self.persist_alive = True
         """Rank 0's view of the persist process, shared at each plan."""
-        self.on_commit: Callable[[], None] | None = None
+        self.on_commit = on_commit
         """Rank 0: called when a checkpoint is committed (retention); a CheckpointError it
         raises is shared with every rank and raised there by `wait_for_snapshot`."""
         self.shared_error: str | None = None
