@@ -32,10 +32,24 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
     if (cfg.fault_at is not None or cfg.fault_every is not None) and cfg.fault_rank >= nproc:
         raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with --nproc {nproc}")
     Corpus.load(cfg.data, cfg.model.seq_len)
+    if cfg.ckpt_mode != "none":
+        from moc.checkpoint.policy.selection import PECPolicy
+
+        # The options every worker would reject, rejected once here.
+        PECPolicy(k=cfg.k_persist, selection=cfg.selection, apply_to=cfg.pec_apply,
+                  dynamic_k=cfg.dynamic_k, plt_threshold=cfg.plt_threshold)
+        if cfg.k_persist is not None and cfg.k_persist > cfg.model.n_experts:
+            raise ValueError(f"--k-persist {cfg.k_persist} is more than the "
+                             f"{cfg.model.n_experts} experts per MoE layer of --config "
+                             f"{cfg.preset}; use at most {cfg.model.n_experts}, or 'all'")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, check_dcp_step, complete_dcp_steps
 
         root = Path(cfg.ckpt_dir)
+        if cfg.ckpt_mode != "none":
+            from moc.checkpoint.store.lock import DirectoryLock
+
+            DirectoryLock.acquire(root).release()  # another job's: one line, no workers
         steps, dcp_steps = complete_steps(root), complete_dcp_steps(root)
         dcp = cfg.ckpt_mode in DCP_MODES
         # Each kind of checkpointer sees only its own steps: given the other kind's, a

@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
+from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport, checked_save
 from moc.checkpoint.dist import RankError
 from moc.checkpoint.errors import (
     CheckpointError,
@@ -215,10 +215,13 @@ class DCPCheckpointer(CheckpointEngine):
     def record_routing(self, counts: torch.Tensor) -> None:
         """Nothing to record: every expert is saved every time, so no token is lost."""
 
-    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
+             final: bool = False) -> None:
         """dcp-sync: write `step` and return once it is complete (collective).
         dcp-async: start writing `step` and return at once; its result comes out of
-        `drain_completed()` once its upload is done."""
+        `drain_completed()` once its upload is done. Every DCP checkpoint is complete,
+        so `final` changes nothing."""
+        extra_state = checked_save(step, extra_state)
         if self.mode == "dcp-sync":
             self._save_sync(step, extra_state)
         else:
@@ -382,14 +385,17 @@ class DCPCheckpointer(CheckpointEngine):
     def close(self) -> None:
         """Wait for the save in flight, release the staging buffers, end DCP's checkpoint
         process. Collective. Raises an error no save has reported yet."""
-        self.flush()
-        errors = [e for e in self.parts.dist.all_gather(self._error) if e]
-        self._error = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        if self._uses_process:
-            stop_checkpoint_process()
+        try:
+            self.flush()
+            errors = [e for e in self.parts.dist.all_gather(self._error) if e]
+            self._error = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._uses_process:
+                stop_checkpoint_process()
+        finally:
+            self.parts.release()
         if errors:
             raise CheckpointError("; ".join(errors))
 

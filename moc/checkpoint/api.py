@@ -7,13 +7,17 @@
         ckpt.wait_for_snapshot()             # the only place training may wait
         optimizer.step(); optimizer.zero_grad()
         ckpt.record_routing(tokens_per_expert)
-        ckpt.maybe_save(step, extra_state={...})
+        ckpt.maybe_save(step, extra_state={...}, final=step == steps)
         if ckpt.pending:                     # cheap: no work on ordinary steps
             for result in ckpt.drain_completed():
                 log(result)
     ckpt.flush()                             # everything in flight is finished ...
     results = ckpt.drain_completed()         # ... and reported
     ckpt.close()                             # releases background work, raises its errors
+
+A failed checkpoint is logged and training goes on from the previous one; `max_failures`
+(default 3) failed checkpoints in a row, or a failed final one, raise on the caller's
+thread (`moc.checkpoint.failures`).
 
 Engines: `moc.Checkpointer` (synchronous PEC with fully sharded writes),
 `moc.TwoLevelCheckpointer` (a snapshot in memory + a background persist), and the
@@ -28,6 +32,8 @@ constructor users already call for the synchronous engine (docs/DECISIONS.md).
 
 from __future__ import annotations
 
+import json
+import math
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -110,17 +116,69 @@ class RecoveryReport:
     source: str
     """Where the state came from: "storage", "memory", or "mixed" (some ranks each)."""
     recovery_s: float
-    lost_tokens: int
+    lost_tokens: int | None
     """Expert token assignments whose updates this recovery lost (0 when every expert
-    came back at `step`)."""
-    lost_per_layer: list[int]
-    plt: float
-    """Cumulative proportion of lost tokens of the run, this recovery included."""
+    came back at `step`); None when unknown: some expert came back older than `step`
+    and no routing was ever recorded (`record_routing`), so nothing says what it lost."""
+    lost_per_layer: list[int] | None
+    plt: float | None
+    """Cumulative proportion of lost tokens of the run, this recovery included; None
+    when unknown (see `lost_tokens`): never a 0 that was not measured."""
     k: int
     """K in force after this recovery (Dynamic-K may have raised it)."""
     k_before: int
     skipped: list[str] = field(default_factory=list)
     """Newer steps found corrupt and skipped, with the reason."""
+
+
+def checked_save(step: object, extra_state: object) -> dict[str, Any]:
+    """Validate a save's arguments before anything is written; the loop state as it will
+    be restored (a JSON round trip: a copy the caller may go on changing).
+
+    `step` is a non-negative int. `extra_state` is None or a JSON object: str keys only
+    (json would turn an int key into a string, and the restored state would differ from
+    the saved one without a word), JSON values (no tensors: those belong to the model or
+    optimizer), and a `"step"` key, if present, equal to `step` (a restore resumes after
+    the manifest's step; a loop counter that disagrees with it is a bug).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save step must be an int >= 0, got {step!r}")
+    if extra_state is None:
+        return {}
+    if not isinstance(extra_state, dict):
+        raise ValueError(f"extra_state must be a dict (JSON object), got "
+                         f"{type(extra_state).__name__}")
+    _check_json(extra_state, "extra_state")
+    if "step" in extra_state and extra_state["step"] != step:
+        raise ValueError(f"extra_state['step'] is {extra_state['step']!r} but the step saved "
+                         f"is {step}: a restore resumes after the saved step; keep other "
+                         "counters under another key")
+    return json.loads(json.dumps(extra_state))
+
+
+def _check_json(value: object, path: str) -> None:
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} is {value}: JSON has no NaN or infinity; store it as "
+                             "a string or None")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{path} has the key {k!r} of type {type(k).__name__}: "
+                                 "JSON keys are strings, and a restore would hand back "
+                                 f"{str(k)!r}; use str keys")
+            _check_json(v, f"{path}[{k!r}]")
+        return
+    raise ValueError(f"{path} is a {type(value).__name__}, which is not JSON: extra_state "
+                     "holds the loop's JSON state (ints, floats, strings, lists, dicts); "
+                     "tensors belong to the model, optimizer or a buffer")
 
 
 @runtime_checkable
@@ -151,15 +209,23 @@ class CheckpointEngine(Protocol):
         `optimizer.step()`. Raises, once, what the background copy met."""
 
     @abstractmethod
-    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
-        """Checkpoint `step` (with the JSON loop state `extra_state`); the result comes
-        out of `drain_completed()`."""
+    def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
+             final: bool = False) -> None:
+        """Checkpoint `step` (with the JSON loop state `extra_state`, see
+        `checked_save`); the result comes out of `drain_completed()`.
 
-    def maybe_save(self, step: int, extra_state: dict[str, Any] | None = None) -> bool:
-        """`save(step, ...)` when `step` is a multiple of `interval`; whether it did."""
-        if step % self.interval:
+        `final`: the last checkpoint of the run. It is complete (every expert of every
+        MoE layer, whatever K is), it is persisted (never skipped), and if it fails,
+        `flush`/`close` raise: whoever continues or exports a finished run gets every
+        expert from the same step."""
+
+    def maybe_save(self, step: int, extra_state: dict[str, Any] | None = None, *,
+                   final: bool = False) -> bool:
+        """`save(step, ...)` when `step` is a multiple of `interval` or `final` (the
+        last step of the run); whether it did."""
+        if step % self.interval and not final:
             return False
-        self.save(step, extra_state)
+        self.save(step, extra_state, final=final)
         return True
 
     @property

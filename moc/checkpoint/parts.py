@@ -1,5 +1,6 @@
 """The parts every moc engine is built from, built once: the expert spec, the groups and
-their collectives, the rank's state, the policy, the chain, the token ledger, retention.
+their collectives, the rank's state, the policy, the chain, the token ledger, retention,
+the directory's lock and run identity, and what a failed checkpoint does.
 
 An engine (`sync.Checkpointer`, `twolevel.TwoLevelCheckpointer`) composes them with the
 parts of its own; nothing here knows how or when an engine saves.
@@ -7,20 +8,27 @@ parts of its own; nothing here knows how or when an engine saves.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as torch_dist
 from torch import nn
 
-from moc.checkpoint.dist import Dist
+from moc.checkpoint.dist import Dist, RankError, raise_failures
+from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.state import RankState, as_optimizer_state, default_model_meta
+from moc.checkpoint.store.identity import ensure_run_id
+from moc.checkpoint.store.lock import DirectoryLock
 from moc.checkpoint.store.retention import BackgroundRetention
 from moc.topology import ParallelGroups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,24 +48,54 @@ class EngineParts:
     ledger: TokenLedger
     retention: BackgroundRetention | None
     """Rank 0's background deletion of old steps (`keep_last`); None elsewhere."""
+    lock: DirectoryLock | None
+    """Rank 0's exclusive lock on `root` (`store.lock`); None elsewhere."""
+    run_id: str | None
+    """The run `root` belongs to (`store.identity`), the same on every rank; None when
+    the directory is read-only and has none."""
+    failures: FailurePolicy
 
     @classmethod
     def build(cls, model: nn.Module, optimizer: object, directory: str | Path, *,
               experts: ExpertSpec | None, groups: ParallelGroups | None,
               policy: PECPolicy | None, interval: int, keep_last: int | None,
-              model_meta: dict[str, Any] | None, mode: str | None) -> EngineParts:
-        """Validate the arguments every engine takes and build its parts."""
+              model_meta: dict[str, Any] | None, mode: str | None,
+              max_failures: int | None = DEFAULT_MAX_FAILURES) -> EngineParts:
+        """Validate the arguments every engine takes and build its parts. Collective
+        under torch.distributed: rank 0 locks the directory and every rank learns
+        whether it could."""
         if interval < 1:
             raise ValueError(f"Checkpointer interval must be >= 1, got {interval}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"Checkpointer keep_last must be >= 1 or None, got {keep_last}")
+        model = unwrap(model)
         spec = experts if experts is not None else ExpertSpec.infer(model)
-        groups = groups if groups is not None else ParallelGroups.single(spec.n_experts)
+        groups = groups if groups is not None else default_groups(spec)
         policy = policy if policy is not None else PECPolicy.full()
+        if policy.k is not None and policy.selection != "full" and policy.k > spec.n_experts:
+            raise ValueError(f"PECPolicy.k={policy.k} is more than the {spec.n_experts} "
+                             "experts per MoE layer; use k <= n_experts, or k=None for all")
+        failures = FailurePolicy(max_failures, groups.rank)
         state = RankState(model, as_optimizer_state(optimizer, model), spec, groups.rank)
         root = Path(directory)
+        dist = Dist(groups)
+        lock, run_id, failed = None, None, None
+        if groups.rank == 0:
+            try:
+                lock = DirectoryLock.acquire(root)
+                run_id = ensure_run_id(root)
+            except Exception as e:  # every rank raises it, none is left waiting
+                failed = e
+                if lock is not None:
+                    lock.release()
+        run_id, error = dist.broadcast(
+            (run_id, RankError.of(0, failed) if failed is not None else None))
+        if failed is not None:
+            raise failed
+        if error is not None:
+            raise_failures([error], groups.world_size)
         return cls(
-            root=root, spec=spec, groups=groups, dist=Dist(groups), state=state,
+            root=root, spec=spec, groups=groups, dist=dist, state=state,
             policy=policy, mode=mode or ("full" if policy.selection == "full" else "pec"),
             interval=interval, model_meta=model_meta or default_model_meta(model, spec),
             chain=ChainState(spec, policy, groups.layout.ep),
@@ -65,9 +103,42 @@ class EngineParts:
                                policy.initial_k(spec.n_experts), policy.dynamic_k,
                                policy.plt_threshold),
             retention=(BackgroundRetention(root, keep_last)
-                       if keep_last is not None and groups.rank == 0 else None))
+                       if keep_last is not None and groups.rank == 0 else None),
+            lock=lock, run_id=run_id, failures=failures)
 
     @property
     def layout(self) -> dict[str, int]:
         """The parallel layout as manifests and snapshots record it."""
         return {"world_size": self.groups.world_size, "ep": self.groups.layout.ep}
+
+    def release(self) -> None:
+        """Release the directory lock (the end of `close`; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / FSDP-style wrappers (`.module`): checkpoints store the
+    model's own names, so they restore into the plain model, wrapped or not."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers) or (
+            type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine")
+            and isinstance(getattr(model, "module", None), nn.Module)):
+        model = model.module
+    return model
+
+
+def default_groups(spec: ExpertSpec) -> ParallelGroups:
+    """No `groups`: one process, or, under an initialised multi-rank process group, plain
+    data parallelism over the world (every rank holds every expert). A model whose
+    experts are sharded over the ranks needs the groups that say how."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()
+            and torch_dist.get_world_size() > 1):
+        return ParallelGroups.single(spec.n_experts)
+    held = {g for p in spec.params for g in p.global_ids}
+    if len(held) < spec.n_experts:
+        raise ValueError(
+            f"this rank holds {len(held)} of the {spec.n_experts} experts per MoE layer "
+            "(expert parallelism), so the checkpoint needs to know the layout: pass "
+            "groups=moc.ParallelGroups.from_world(ep, n_experts)")
+    return ParallelGroups.from_world(1, spec.n_experts)

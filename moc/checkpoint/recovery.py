@@ -198,7 +198,8 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
     manifest = result.manifest
     chain.advance(manifest)
     ledger.load_json(manifest.tokens)
-    plt = ledger.recover(ledger.at_save, manifest.policy)
+    stale = bool((chain.saved_at < manifest.step).any())  # experts older than the step
+    plt = ledger.recover(ledger.at_save, manifest.policy, stale)
     ledger.all_saved()
     return RecoveryReport(result.step, manifest.extra, "storage", result.recovery_s,
                           plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k, plt.k_before,

@@ -35,6 +35,7 @@ so no rank is left waiting.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -44,9 +45,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
-from moc.checkpoint.dist import Dist, raise_failures
+from moc.checkpoint.api import (
+    CheckpointEngine,
+    CheckpointResult,
+    RecoveryReport,
+    checked_save,
+)
+from moc.checkpoint.dist import Dist, describe, raise_failures
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.plan.units import Wanted, rank_share
 from moc.checkpoint.policy.selection import PECPolicy
@@ -59,6 +66,7 @@ from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_d
 from moc.topology import ParallelGroups
 
 _RNG = re.compile(r"^rng/rank=(\d+)$")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,14 +107,17 @@ class Checkpointer(CheckpointEngine):
                  experts: ExpertSpec | None = None, groups: ParallelGroups | None = None,
                  policy: PECPolicy | None = None, interval: int = 10,
                  keep_last: int | None = None, model_meta: dict[str, Any] | None = None,
-                 mode: str | None = None, placement: Placement | None = None) -> None:
+                 mode: str | None = None, placement: Placement | None = None,
+                 max_failures: int | None = DEFAULT_MAX_FAILURES) -> None:
         self.parts = EngineParts.build(model, optimizer, directory, experts=experts,
                                        groups=groups, policy=policy, interval=interval,
-                                       keep_last=keep_last, model_meta=model_meta, mode=mode)
+                                       keep_last=keep_last, model_meta=model_meta, mode=mode,
+                                       max_failures=max_failures)
         self.root, self.spec, self.interval = self.parts.root, self.parts.spec, interval
         self.placement = placement if placement is not None else ShardedPlacement()
         self._done: list[CheckpointResult] = []
         self._retention_error: str | None = None
+        self._final = False  # whether the newest committed checkpoint was a final one
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -132,15 +143,28 @@ class Checkpointer(CheckpointEngine):
 
     # -- saving ----------------------------------------------------------------------------
 
-    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
+             final: bool = False) -> None:
         """Checkpoint `step` now. Collective; blocks until the step is committed (or
         found incomplete: then the result's `error` is set and the previous checkpoint
-        stays newest)."""
+        stays newest). Invalid arguments raise ValueError on every rank before anything
+        is written; `max_failures` failures in a row, or a failed `final` checkpoint,
+        raise CheckpointFailedError on every rank."""
         t0 = time.perf_counter()
         parts = self.parts
         g, dist, chain, ledger = parts.groups, parts.dist, parts.chain, parts.ledger
-        ledger.add_synced(dist.all_reduce_(ledger.take_pending()))
-        selected = chain.select(step, ledger)
+        invalid = None
+        try:
+            extra_state = checked_save(step, extra_state)
+        except ValueError as e:
+            invalid = e
+        failures = dist.agree(invalid)  # a rank's bad loop state stops every rank
+        if failures:
+            raise ValueError(describe(failures, g.world_size))
+        pending = ledger.take_pending()
+        ledger.add_synced(dist.all_reduce_(pending))
+        ledger.warn_if_untracked(step, g.rank)
+        selected = chain.all_experts() if final else chain.select(step, ledger)
         wanted = chain.wanted(selected, step)
         tensors = self.placement.tensors(WriteContext(parts.state, g, dist), wanted)
         begun = None
@@ -167,6 +191,8 @@ class Checkpointer(CheckpointEngine):
         self._done.append(CheckpointResult(
             step, parts.mode, ledger.k, [[] for _ in written] if errors else written,
             time.perf_counter() - t0, bytes_per_rank=bytes_per_rank, error=errors or None))
+        self._final = final and not errors
+        fatal = parts.failures.check(step, errors or None, final)
         if not errors and parts.retention is not None:
             try:
                 parts.retention.request()
@@ -174,6 +200,8 @@ class Checkpointer(CheckpointEngine):
                 self._retention_error = str(e)
         if reports[0][4]:
             raise CheckpointError(reports[0][4])
+        if fatal is not None:
+            raise CheckpointFailedError(fatal)
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor]
                ) -> tuple[dict[str, Entry], int, str | None]:
@@ -231,8 +259,17 @@ class Checkpointer(CheckpointEngine):
         """Finish background work (retention) and raise any error it met, on every
         rank. Collective."""
         # A retention error met at the last save has no later save to share it.
-        failures = self.parts.dist.agree(self._retention_error)
-        self._retention_error = None
-        if self.parts.retention is not None:
-            self.parts.retention.close()
-        raise_failures(failures, self.parts.groups.world_size)
+        p = self.parts
+        try:
+            failures = p.dist.agree(self._retention_error)
+            self._retention_error = None
+            if p.retention is not None:
+                p.retention.close()
+        finally:
+            p.release()
+        if (not self._final and p.chain.manifest is not None and p.ledger.k < p.spec.n_experts
+                and p.groups.rank == 0):
+            log.warning("the newest checkpoint (step %d) is partial (K=%d of %d experts "
+                        "per layer); pass final=True to the last save for a complete one",
+                        p.chain.manifest.step, p.ledger.k, p.spec.n_experts)
+        raise_failures(failures, p.groups.world_size)

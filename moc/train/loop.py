@@ -185,9 +185,10 @@ class Trainer:
         self.sampler.load_state_dict(result.extra["sampler"])
         for reason in result.skipped:
             progress.message(f"skipped corrupt checkpoint: {reason}")
+        lost = ("unknown expert tokens lost (no routing recorded)" if result.plt is None
+                else f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f}")
         progress.message(f"resumed from checkpoint step {result.step} "
-                         f"({result.source}, {result.recovery_s:.2f}s, "
-                         f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f})")
+                         f"({result.source}, {result.recovery_s:.2f}s, {lost})")
         self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
                           resumed_from=result.step, source=result.source,
                           recovery_s=result.recovery_s, restart=restart_count(),
@@ -246,8 +247,9 @@ class Trainer:
             loss, tokens = self.train_step()
             # Nothing checkpoint-related is built on steps that do not checkpoint.
             ckpt = self.checkpointer
-            if ckpt is not None and self.step % ckpt.interval == 0:
-                ckpt.save(self.step, self.extra_state())
+            final = self.step == cfg.steps  # the run's last checkpoint is complete
+            if ckpt is not None and (self.step % ckpt.interval == 0 or final):
+                ckpt.save(self.step, self.extra_state(), final=final)
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,

@@ -28,12 +28,13 @@ def test_maybe_save_saves_on_multiples_of_the_interval_only():
         restore = record_routing = wait_for_snapshot = None
         drain_completed = flush = host_memory = close = None
 
-        def save(self, step, extra_state=None):
-            saved.append((step, extra_state))
+        def save(self, step, extra_state=None, *, final=False):
+            saved.append((step, extra_state, final))
 
     engine = Recorder()
     assert [engine.maybe_save(s, {"s": s}) for s in (4, 5, 10)] == [False, True, True]
-    assert saved == [(5, {"s": 5}), (10, {"s": 10})]
+    assert engine.maybe_save(12, {"s": 12}, final=True)  # the run's last step, off-interval
+    assert saved == [(5, {"s": 5}, False), (10, {"s": 10}, False), (12, {"s": 12}, True)]
 
 
 def test_a_result_reports_stall_bytes_and_balance_the_same_for_every_engine():

@@ -146,6 +146,8 @@ def test_recurring_faults_each_restart_meets_the_next_one(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--fault-at", "5", "--fault-rank", "7"], "--fault-rank 7 does not exist"),
     (["--fault-at", "5", "--fault-every", "5"], "--fault-at and --fault-every exclude"),
+    (["--k-persist", "9"], "--k-persist 9 is more than the 4 experts"),
+    (["--plt-threshold", "-3"], "plt_threshold must be in (0, 1), got -3"),
 ])
 def test_bad_input_gets_a_one_line_error(args, message):
     r = moc("train", *args)

@@ -18,25 +18,35 @@ of layer i so far (sum_e cumulative).
 Dynamic-K (paper, sec. 3): after each recovery, if the PLT lost since K last changed
 exceeds the threshold, K doubles (up to N). Every kind of recovery (from memory, from
 storage, mixed) accounts through `TokenLedger.recover`, so they cannot disagree.
+
+Without counts (the loop never called `record_routing`) nothing says what a recovery
+that restored older experts lost: its PLT is unknown (None), never a 0 that was not
+measured, and a partial policy warns at the first checkpoint (`warn_if_untracked`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 
+class RoutingNotRecordedWarning(UserWarning):
+    """A partial checkpoint policy runs without routed-token counts."""
+
+
 @dataclass(frozen=True)
 class PLTReport:
     """What one recovery lost, and the K in force after it."""
 
-    lost_tokens: int
-    """Assignments lost by this recovery, over all layers."""
-    lost_per_layer: list[int]
-    plt: float
-    """Cumulative PLT of the run, this recovery included."""
+    lost_tokens: int | None
+    """Assignments lost by this recovery, over all layers (None: unknown)."""
+    lost_per_layer: list[int] | None
+    plt: float | None
+    """Cumulative PLT of the run, this recovery included (None: unknown, no routing was
+    recorded and some expert came back older than the step restored)."""
     k: int = 0
     """K_pec after this recovery (Dynamic-K may have raised it)."""
     k_before: int = 0
@@ -66,6 +76,7 @@ class TokenLedger:
     lost_base: torch.Tensor = field(init=False)
     """Per-layer lost tokens when K last changed: Dynamic-K judges what was lost since."""
     _pending: torch.Tensor = field(init=False)
+    _warned: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         shape = (self.n_moe_layers, self.n_experts)
@@ -143,27 +154,51 @@ class TokenLedger:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def recover(self, at_copy: torch.Tensor, saved_policy: dict[str, Any]) -> PLTReport:
+    @property
+    def tracked(self) -> bool:
+        """Whether any routing was recorded in this run (summed over ranks)."""
+        return bool(self.cumulative.any())
+
+    def recover(self, at_copy: torch.Tensor, saved_policy: dict[str, Any],
+                stale: bool = True) -> PLTReport:
         """Account a recovery and apply Dynamic-K; call after `load_json`.
 
         `at_copy` is the (layers x experts) cumulative count at the copy of each expert
         that was restored. `saved_policy` is the policy state the restored checkpoint
         carries ({"k", "lost_base"}, see `policy_json`): a K that Dynamic-K had raised
-        in this run is kept, otherwise the K the user configured stays.
+        in this run is kept, otherwise the K the user configured stays. `stale`: whether
+        some expert came back from a copy older than the step restored; without counts
+        (`tracked`) such a recovery's loss is unknown and reported as None.
         """
-        lost_per_layer = (self.cumulative - at_copy).sum(dim=1)
-        self.lost += lost_per_layer
         if self.dynamic_k and "k" in saved_policy:
             self.k = max(self.k, int(saved_policy["k"]))
             self.lost_base = torch.tensor(
                 saved_policy.get("lost_base", [0] * self.n_moe_layers), dtype=torch.int64)
         k_before = self.k
+        if stale and not self.tracked:
+            return PLTReport(None, None, None, self.k, k_before)
+        lost_per_layer = (self.cumulative - at_copy).sum(dim=1)
+        self.lost += lost_per_layer
         if (self.dynamic_k and self.k < self.n_experts
                 and self.plt(self.lost_base) > self.plt_threshold):
             self.k = min(2 * self.k, self.n_experts)
             self.lost_base = self.lost.clone()
         return PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.plt(),
                          self.k, k_before)
+
+    def warn_if_untracked(self, step: int, rank: int) -> None:
+        """Warn once, at the first checkpoint (after its counts were summed), when K < N
+        and no routing was recorded: PLT and Dynamic-K cannot work without counts."""
+        if self._warned or self.k >= self.n_experts or self.tracked:
+            return
+        self._warned = True
+        if rank == 0:
+            warnings.warn(
+                f"checkpoint of step {step}: partial checkpoints (K={self.k} of "
+                f"{self.n_experts} experts per layer) but no routing was recorded; call "
+                "record_routing(tokens_per_expert) every step, or recoveries will report "
+                "PLT as unknown and Dynamic-K cannot raise K", RoutingNotRecordedWarning,
+                stacklevel=3)
 
     def all_saved(self) -> None:
         """Every expert's state is now its newest persisted copy (a restore from storage):

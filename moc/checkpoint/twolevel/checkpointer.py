@@ -31,7 +31,7 @@ checkpoints in flight (owned by the caller's thread) and the one snapshot being 
 
 from __future__ import annotations
 
-import copy
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -41,9 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
+from moc.checkpoint.api import (
+    CheckpointEngine,
+    CheckpointResult,
+    RecoveryReport,
+    checked_save,
+)
 from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
@@ -57,6 +63,8 @@ from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot
 from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, default_job_id, remove_job
 from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker
 from moc.topology import ParallelGroups
+
+log = logging.getLogger(__name__)
 
 PERSIST_POLICIES = ("skip", "wait")
 
@@ -104,13 +112,15 @@ class TwoLevelCheckpointer(CheckpointEngine):
                  policy: PECPolicy | None = None, interval: int = 10,
                  keep_last: int | None = None, model_meta: dict[str, Any] | None = None,
                  mode: str = "moc", job: str | None = None, persist_policy: str = "skip",
-                 k_snapshot: int | str | None = None) -> None:
+                 k_snapshot: int | str | None = None,
+                 max_failures: int | None = DEFAULT_MAX_FAILURES) -> None:
         if persist_policy not in PERSIST_POLICIES:
             raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                              f"got {persist_policy!r}")
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
-            interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode)
+            interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,
+            max_failures=max_failures)
         self.root, self.spec, self.interval = p.root, p.spec, interval
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", p.groups.world_size))
         if local_world != p.groups.world_size:
@@ -126,8 +136,9 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self.persist = PersistClient(self.job, p.root, p.groups.rank)
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
-            PlanConfig(p.root, p.mode, p.model_meta, persist_policy), k,
-            on_commit=p.retention.request if p.retention is not None else None)
+            PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id), k,
+            on_commit=p.retention.request if p.retention is not None else None,
+            failures=p.failures)
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
@@ -137,29 +148,42 @@ class TwoLevelCheckpointer(CheckpointEngine):
     def record_routing(self, counts: torch.Tensor) -> None:
         self.parts.ledger.record(counts)
 
-    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
+             final: bool = False) -> None:
         """Start a checkpoint of `step` and return at once.
 
         This thread only takes what cannot wait (the routed-token counts and the RNG
         state of this step, a copy of `extra_state`) and hands the checkpoint to the
         snapshot thread, which does the rest behind the next forward and backward pass.
         Training waits only in `wait_for_snapshot()`, and only if all that outlasts the
-        window. The result comes out of `drain_completed()`."""
+        window. The result comes out of `drain_completed()`.
+
+        Invalid arguments raise ValueError here in a single process; under
+        torch.distributed the checkpoint's plan fails on every rank instead (raised by
+        `wait_for_snapshot`), so that no rank waits for a plan another never starts.
+        `final`: see `CheckpointEngine.save`; `flush`/`close` raise if it fails."""
         t0 = time.perf_counter()
         if step in self._in_flight:
             raise ValueError(f"step {step} is already being checkpointed (its persist is "
                              "not reported yet); save each step once")
+        rejected, extra = None, {}
+        try:
+            extra = checked_save(step, extra_state)
+        except ValueError as e:
+            if not self.parts.groups.distributed:
+                raise
+            rejected = str(e)
         self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
         counts = self.parts.ledger.take_pending()
         rng = torch.get_rng_state()
-        extra = copy.deepcopy(extra_state) if extra_state else {}
         ready = None
         if any(q.is_cuda for q in self.parts.state.model.parameters()):
             ready = torch.cuda.Event()  # the copy waits for the work queued so far
             ready.record(torch.cuda.current_stream())
         planner = self.planner
         self._handle = SnapshotHandle(self.worker, self.store, step,
-                                      lambda: planner.plan(step, counts, rng, extra), ready)
+                                      lambda: planner.plan(step, counts, rng, extra, final,
+                                                           rejected), ready)
         self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
         self._saved_at = time.perf_counter()
 
@@ -201,6 +225,9 @@ class TwoLevelCheckpointer(CheckpointEngine):
         error, self.planner.shared_error = self.planner.shared_error, None
         if error:
             raise CheckpointError(error)
+        fatal, self.planner.fatal = self.planner.fatal, None
+        if fatal:
+            raise CheckpointFailedError(fatal)
 
     @property
     def pending(self) -> bool:
@@ -226,6 +253,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
         are then in `drain_completed()`."""
         self.wait_for_snapshot()
         self.planner.share(block=True)
+        self._raise_shared_error()
 
     def host_memory(self) -> dict[str, int]:
         return self.store.sizes()
@@ -250,7 +278,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
             # left in memory by an earlier run of it must not be resumed.
             self.store.invalidate_newer_than(-1)
         mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
-                                  p.model_meta, p.chain.tracked_kind)
+                                  p.model_meta, p.chain.tracked_kind, p.run_id)
         if mem is None:
             planner.newest_slot = planner.persist_slot = None
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
@@ -265,7 +293,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
             planner.committed(storage[-1])  # the chain continues from storage
         else:
             p.chain.reset()
-        plt = p.ledger.recover(mem.at_copy, mem.meta)
+        plt = p.ledger.recover(mem.at_copy, mem.meta, mem.stale)
         return RecoveryReport(mem.step, mem.meta["extra"], mem.source, mem.recovery_s,
                               plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
                               plt.k_before)
@@ -273,22 +301,40 @@ class TwoLevelCheckpointer(CheckpointEngine):
     # -- the end ---------------------------------------------------------------------------
 
     def close(self, keep_snapshots: bool = False) -> None:
-        """Wait for the snapshot and the persist in flight, stop the persist process and
-        remove this job's shared memory (unless `keep_snapshots`). Collective."""
+        """Finish the checkpoints in flight, make the newest snapshot a complete
+        checkpoint on storage (unless a `final` save already did), stop the persist
+        process and remove this job's shared memory (unless `keep_snapshots`, or the
+        newest snapshot is newer than every durable checkpoint: then it is the only copy
+        and stays for a restart to recover). Collective; raises what went wrong."""
+        p = self.parts
         failures = []
+        durable = False
         try:
             self.flush()
+            why = self.planner.persist_newest(self.store)
+            if why is not None and p.groups.rank == 0:
+                log.warning("the newest checkpoint on storage is not complete: %s", why)
             # A retention error learned in that flush has no later plan to share it.
-            failures = self.parts.dist.agree(self.planner.take_error())
+            failures = p.dist.agree(self.planner.take_error())
+            durable = self._newest_is_durable()
         finally:
             try:
                 self.persist.stop()
             finally:
                 self.worker.stop()
                 self.store.release()
-                if self.parts.groups.rank == 0 and not keep_snapshots:
+                if p.groups.rank == 0 and not keep_snapshots and durable:
                     remove_job(self.job)
-        if self.parts.retention is not None:
-            self.parts.retention.close()
+                if p.retention is not None:
+                    p.retention.close()
+                p.release()
         self._raise_shared_error()
-        raise_failures(failures, self.parts.groups.world_size)
+        raise_failures(failures, p.groups.world_size)
+
+    def _newest_is_durable(self) -> bool:
+        """Whether storage holds a checkpoint at least as new as the newest snapshot."""
+        header = (self.store.headers().get(self.planner.newest_slot)
+                  if self.planner.newest_slot is not None else None)
+        newest = header.step if header is not None else -1
+        committed = self.parts.chain.manifest.step if self.parts.chain.manifest else -1
+        return all(self.parts.dist.all_gather(committed >= newest))

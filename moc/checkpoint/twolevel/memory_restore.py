@@ -47,21 +47,26 @@ class MemoryRestore:
     recovery_s: float
     at_copy: torch.Tensor
     """(layers x experts) cumulative token count at the copy of each expert restored."""
+    stale: bool
+    """Whether some rank restored an expert from a copy older than `step`."""
 
 
 def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist: Dist,
                         storage: list[int], layout: dict[str, int],
-                        model_meta: dict[str, Any], tracked_kind: str
-                        ) -> MemoryRestore | None:
+                        model_meta: dict[str, Any], tracked_kind: str,
+                        run_id: str | None) -> MemoryRestore | None:
     """Restore the newest step every rank can restore with some rank's memory; None when
     there is none (or every such step failed on some rank). Collective.
 
     `storage`: the complete steps on storage (the same list on every rank). A snapshot
-    older than the newest persisted step is never used: storage is newer.
+    older than the newest persisted step is never used: storage is newer. Only
+    snapshots of this run (`run_id`, the checkpoint directory's), of the same model and
+    layout, are candidates: memory left by another run is never restored.
     """
     newest_storage = storage[-1] if storage else None
     headers = {slot: h for slot, h in store.headers().items()
-               if h.meta.get("layout") == layout and h.meta.get("model") == model_meta}
+               if run_id is not None and h.meta.get("run_id") == run_id
+               and h.meta.get("layout") == layout and h.meta.get("model") == model_meta}
     mine = {h.step: slot for slot, h in headers.items()}
     everyone = [set(m) for m in dist.all_gather(sorted(mine))]
     candidates = [step for step in sorted(set().union(*everyone), reverse=True)
@@ -99,10 +104,14 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
                        state.spec.stems(), meta)
     at_copy = torch.stack(dist.all_gather(at_copy)).max(dim=0).values
     cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
-    at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank holds it: not lost
+    at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
+    held = set(state.flatten())
+    older = any(copy_step < step for key, (copy_step, _) in copies.items()
+                if key in held and (parsed := parse_expert_key(key)) is not None
+                and parsed[0] == tracked_kind)
     return MemoryRestore(step, mine.get(step), meta,
                          "memory" if "storage" not in sources else "mixed",
-                         time.perf_counter() - t0, at_copy)
+                         time.perf_counter() - t0, at_copy, any(dist.all_gather(older)))
 
 
 def _memory_reader(store: SnapshotStore, root: Path, step: int,

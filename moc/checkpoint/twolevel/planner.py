@@ -13,6 +13,7 @@ every rank takes the same decisions (the persist results it acts on are rank 0's
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch
 
 from moc.checkpoint.dist import Dist
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.failures import FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
@@ -32,7 +34,7 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Done, Failed, Persist, Ready
 from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
-from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader
+from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.worker import SnapshotJob
 from moc.topology import ParallelGroups
 
@@ -59,6 +61,9 @@ class PlanConfig:
     model_meta: dict[str, Any]
     persist_policy: str
     """"skip" (persist only when no persist runs) or "wait" (the plan waits for it)."""
+    run_id: str | None = None
+    """The run the checkpoint directory belongs to; every snapshot carries it, and only
+    snapshots of this run are ever restored (`store.identity`)."""
 
 
 class SnapshotPlanner:
@@ -72,7 +77,8 @@ class SnapshotPlanner:
     def __init__(self, state: RankState, groups: ParallelGroups, dist: Dist,
                  chain: ChainState, ledger: TokenLedger, client: PersistClient,
                  config: PlanConfig, k_snapshot: int,
-                 on_commit: Callable[[], None] | None = None) -> None:
+                 on_commit: Callable[[], None] | None = None,
+                 failures: FailurePolicy | None = None) -> None:
         self.state, self.groups, self.dist = state, groups, dist
         self.chain, self.ledger, self.client, self.config = chain, ledger, client, config
         self.k_snapshot = k_snapshot
@@ -96,6 +102,13 @@ class SnapshotPlanner:
         raises is shared with every rank and raised there by `wait_for_snapshot`."""
         self.shared_error: str | None = None
         """An error of rank 0's background work, as shared with this rank."""
+        self.failures = failures if failures is not None else FailurePolicy()
+        """Counts the persists that failed, as every rank learns them (`share`)."""
+        self.fatal: str | None = None
+        """Why the run must stop (too many failed checkpoints, a failed final one);
+        raised on the caller's thread, on every rank at the same call."""
+        self.final_steps: set[int] = set()
+        """Steps checkpointed with `final`: their failure is fatal."""
         self.lock = threading.Lock()
         self.reports: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._unshared: list[Done] = []  # rank 0: results not yet shared
@@ -122,18 +135,25 @@ class SnapshotPlanner:
                 self.in_flight = None
         self.persist_alive = self.client.alive
 
-    def share(self, block: bool, counts: torch.Tensor | None = None) -> None:
+    def share(self, block: bool, counts: torch.Tensor | None = None,
+              rejected: bool = False) -> int:
         """Collective: every rank learns the same persist results and applies them; with
         `counts` (this rank's routed tokens since the last save), the same all-reduce
-        also sums them into the ledger. `block`: first wait for the persist in flight."""
+        also sums them into the ledger, and counts the ranks that `rejected` this
+        checkpoint (returned). `block`: first wait for the persist in flight."""
         if self.groups.rank == 0:
             self._receive(block)
         share = (self._unshared, self.in_flight, self.persist_alive, self.choice, self._error)
-        done, in_flight, alive, choice, error = self.dist.exchange(share, counts)
+        summed = None
+        if counts is not None:
+            summed = torch.cat([counts.flatten(), torch.tensor([int(rejected)])])
+        done, in_flight, alive, choice, error = self.dist.exchange(share, summed)
         self._unshared, self.choice, self._error = [], None, None
         self.shared_error = self.shared_error or error
-        if counts is not None:
-            self.ledger.add_synced(counts)
+        n_rejected = 0
+        if summed is not None:
+            self.ledger.add_synced(summed[:-1])
+            n_rejected = int(summed[-1])
         self.persist_alive = alive
         if choice is not None:
             self.k_snapshot, self.chosen = choice["k_snapshot"], choice
@@ -144,7 +164,16 @@ class SnapshotPlanner:
                 self.persist_slot = None
             if result.ok:
                 self.committed(result.step)
+            self._judge(result.step, None if result.ok else result.error or "failed")
         self.in_flight = in_flight
+        return n_rejected
+
+    def _judge(self, step: int, error: str | None) -> None:
+        """One checkpoint's outcome, the same on every rank: too many failures in a row,
+        or a failed final checkpoint, make the run stop (`fatal`)."""
+        fatal = self.failures.check(step, error, step in self.final_steps)
+        self.final_steps.discard(step)
+        self.fatal = self.fatal or fatal
 
     def take_error(self) -> str | None:
         """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last
@@ -163,23 +192,79 @@ class SnapshotPlanner:
             except CheckpointError as e:  # shared with every rank at the next exchange
                 self._error = str(e)
 
+    # -- the end ---------------------------------------------------------------------------
+
+    def persist_newest(self, store: SnapshotStore) -> str | None:
+        """`close()`: make the newest snapshot a complete checkpoint on storage, unless
+        storage already holds it complete (a `final` save): a finished run's checkpoint
+        must not hold experts many steps older than its step. On the caller's thread,
+        after `flush` (no plan runs); collective. Why it could not, when it could not
+        (a partial snapshot, no persist process); its failure is `fatal`."""
+        g, chain = self.groups, self.chain
+        header = store.headers().get(self.newest_slot) if self.newest_slot is not None else None
+        state = self.state.flatten()
+        mine = None if header is None else [header.step, set(state) <= set(header.entries)]
+        views = self.dist.all_gather(mine)
+        if any(v is None for v in views) or any(v[0] != views[0][0] for v in views):
+            return "no snapshot of the same step on every rank"
+        step = views[0][0]
+        m = chain.manifest
+        if m is not None and (m.step > step or (
+                m.step == step and bool((chain.saved_at >= step).all()))):
+            return None  # already complete on storage
+        if not all(v[1] for v in views):
+            return (f"the newest snapshot (step {step}) is partial (K_snapshot < N); pass "
+                    "final=True to the last save for a complete checkpoint")
+        if not self.persist_alive:
+            return PERSIST_GONE
+        assert header is not None and self.newest_slot is not None
+        write = rank_share(self.state, g.layout, state, lambda key: True)
+        self.final_steps.add(step)
+        self.in_flight = step
+        if g.rank == 0:
+            ledger = copy.deepcopy(self.ledger)
+            ledger.load_json(header.meta["ledger"])  # the counts as of that snapshot
+            template = chain.template(step, mode=self.config.mode, layout=header.meta["layout"],
+                                      model_meta=self.config.model_meta,
+                                      extra=header.meta["extra"],
+                                      written=chain.all_experts(), ledger=ledger)
+            self.client.send(Persist(step, m.step if m is not None else None, template,
+                                     g.world_size))
+        self.client.send(Ready(g.rank, step, self.newest_slot, write, list(header.entries)))
+        self.share(block=True)
+        return None
+
     # -- one checkpoint ----------------------------------------------------------------------
 
-    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any]
-             ) -> SnapshotJob:
+    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
+             final: bool = False, rejected: str | None = None) -> SnapshotJob:
         """On the snapshot thread: what `step`'s snapshot copies and where, and its
-        persist request. Collective (one small all-reduce)."""
+        persist request. Collective (one small all-reduce). `final`: every expert is
+        snapshotted and persisted, after the persist in flight. `rejected`: why this
+        rank's save arguments were refused; the plan then fails on every rank."""
         with self.lock:
-            return self._plan(step, counts, rng, extra)
+            return self._plan(step, counts, rng, extra, final, rejected)
 
-    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any]
-              ) -> SnapshotJob:
+    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
+              final: bool, rejected: str | None) -> SnapshotJob:
         g, chain, ledger, cfg = self.groups, self.chain, self.ledger, self.config
-        self.share(block=cfg.persist_policy == "wait", counts=counts)
+        n_rejected = self.share(block=final or cfg.persist_policy == "wait", counts=counts,
+                                rejected=rejected is not None)
+        if n_rejected:
+            raise ValueError(f"step {step} was not checkpointed: its save arguments were "
+                             f"rejected on {n_rejected} of {g.world_size} rank(s)"
+                             + (f"; here: {rejected}" if rejected else ""))
+        ledger.warn_if_untracked(step, g.rank)
         # Without a persist process (it died), training goes on with snapshots only:
         # each checkpoint is reported as not persisted, and memory still recovers crashes.
         persist_now = self.in_flight is None and self.persist_alive
-        selected = chain.select(step, ledger)
+        if final:
+            self.final_steps.add(step)
+        if not self.persist_alive:
+            self._judge(step, PERSIST_GONE)
+        elif final and not persist_now:
+            self._judge(step, f"the persist of step {self.in_flight} did not finish")
+        selected = chain.all_experts() if final else chain.select(step, ledger)
         wanted = chain.wanted(selected, step)
         written = chain.written(selected, step)
         state = self.state.flatten(rng)
@@ -187,11 +272,12 @@ class SnapshotPlanner:
         slot = next(s for s in range(N_SLOTS) if s not in (self.newest_slot, self.persist_slot))
         experts = snapshot_experts(self.state.spec.n_experts, self.state.spec.n_moe_layers,
                                    self.k_snapshot, self.snap_index, g.layout.ep,
-                                   written if persist_now else None, chain.manifest is None)
+                                   written if persist_now else None,
+                                   chain.manifest is None or final)
         layout = {"world_size": g.world_size, "ep": g.layout.ep}
         meta = {"extra": extra, "ledger": ledger.to_json(), **ledger.policy_json(),
                 "snap_index": self.snap_index, "k_snapshot": self.k_snapshot,
-                "model": cfg.model_meta, "layout": layout}
+                "model": cfg.model_meta, "layout": layout, "run_id": cfg.run_id}
         outcome = PlanOutcome(ledger.k, written, not persist_now,
                               None if self.persist_alive else PERSIST_GONE, self.k_snapshot,
                               self.chosen)

@@ -73,7 +73,9 @@ def test_without_memory_recovery_comes_from_storage_and_counts_lost_tokens(tmp_p
     ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=2,
                                 persist_policy="wait")
     _train(model, opt, ckpt, 6)
-    ckpt.close()  # removes the snapshots, as a node loss would
+    ckpt.flush()
+    shutil.rmtree(job_dir(ckpt.job))  # the node's memory is lost before the run ends
+    ckpt.close()  # nothing left in memory to complete the newest checkpoint with
     resumed = TwoLevelCheckpointer(*_build(1), root, policy=PECPolicy(k=1))
     report = resumed.restore()
     resumed.close()
@@ -95,7 +97,8 @@ def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypa
     by_step = {r.step: r for r in records}
     assert by_step[1].persist_skipped is False and by_step[1].persist_s >= 1.0
     assert by_step[2].persist_skipped is skipped
-    assert complete_steps(tmp_path / "ckpt") == ([1] if skipped else [1, 2])
+    # Skipped or not, close() leaves the newest snapshot durable on storage.
+    assert complete_steps(tmp_path / "ckpt") == [1, 2]
 
 
 def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tmp_path):

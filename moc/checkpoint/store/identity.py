@@ -1,0 +1,61 @@
+"""The identity of the run a checkpoint directory belongs to.
+
+    run_id = ensure_run_id(root)     # rank 0: read <root>/moc-run.json, or create it
+
+A run id is created with the checkpoint directory's first engine and stored in it
+(`moc-run.json`); every later engine on that directory (a torchrun restart, a resumed
+job) reads the same id. Memory snapshots carry it (with the model's description), and
+recovery never restores a snapshot whose run id is not the directory's: snapshots of a
+run whose directory was emptied or replaced (`rm -rf DIR/*`, a new run on the same
+path) belong to another run, even when their model and layout match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+from moc.checkpoint.errors import CheckpointError
+
+RUN_FILE = "moc-run.json"
+
+
+def read_run_id(root: Path) -> str | None:
+    """The directory's run id; None when it has none (a fresh directory)."""
+    path = Path(root) / RUN_FILE
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e}); it names the run this "
+                              "directory belongs to: restore it or move the directory "
+                              "away") from None
+    run_id = d.get("run_id") if isinstance(d, dict) else None
+    if not isinstance(run_id, str) or not run_id:
+        raise CheckpointError(f"{path} holds no run id; restore it or move the "
+                              "directory away")
+    return run_id
+
+
+def ensure_run_id(root: Path) -> str | None:
+    """The directory's run id, created (atomically) when it has none; None when the
+    directory is not writable and has none."""
+    root = Path(root)
+    existing = read_run_id(root)
+    if existing is not None:
+        return existing
+    run_id = secrets.token_hex(8)
+    tmp = root / f"{RUN_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
+        os.link(tmp, root / RUN_FILE)  # fails if another process created it meanwhile
+    except FileExistsError:
+        return read_run_id(root)
+    except OSError:
+        return None  # read-only: nothing is written here, no snapshot will be either
+    finally:
+        tmp.unlink(missing_ok=True)
+    return run_id

@@ -1,0 +1,88 @@
+"""A checkpoint directory belongs to one job at a time; its run identity; real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moc
+from moc.checkpoint.store.identity import RUN_FILE, ensure_run_id, read_run_id
+from moc.checkpoint.store.lock import LOCK_FILE, DirectoryInUseError, DirectoryLock
+from moc.model import ModelConfig, Transformer
+
+REPO = Path(__file__).resolve().parents[3]
+CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+
+HOLD = """
+import sys, time, torch
+import moc
+from moc.model import ModelConfig, Transformer
+model = Transformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32,
+                                n_experts=4))
+ckpt = moc.Checkpointer(model, torch.optim.AdamW(model.parameters()), sys.argv[1])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def _engine(root: Path) -> moc.Checkpointer:
+    model = Transformer(CFG)
+    return moc.Checkpointer(model, torch.optim.AdamW(model.parameters()), root)
+
+
+def _holder(root: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+@pytest.mark.integration
+def test_a_second_job_on_a_directory_is_refused_naming_the_holder(tmp_path):
+    root = tmp_path / "ckpt"
+    holder = _holder(root)
+    try:
+        with pytest.raises(DirectoryInUseError, match=f"pid {holder.pid} on .*use another"):
+            _engine(root)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.integration
+def test_the_lock_dies_with_its_holder_so_a_restarted_job_takes_it(tmp_path):
+    root = tmp_path / "ckpt"
+    holder = _holder(root)
+    os.kill(holder.pid, signal.SIGKILL)  # a crash: nobody releases anything
+    holder.wait()
+    ckpt = _engine(root)  # the restart of the same job
+    ckpt.close()
+
+
+def test_engines_of_one_process_share_the_lock_until_the_last_closes(tmp_path):
+    root = tmp_path / "ckpt"
+    first, second = _engine(root), _engine(root)  # e.g. a fresh engine to restore with
+    first.close()
+    assert DirectoryLock.acquire(root).locked  # still this process's
+    second.close()
+    assert (root / LOCK_FILE).is_file()
+
+
+def test_a_run_id_is_created_with_the_directory_and_kept(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    assert read_run_id(root) is None
+    run_id = ensure_run_id(root)
+    assert run_id and ensure_run_id(root) == run_id == read_run_id(root)
+    (root / RUN_FILE).unlink()  # the directory emptied: a new run
+    assert ensure_run_id(root) != run_id
+    (root / RUN_FILE).write_text("{not json")
+    with pytest.raises(moc.CheckpointError, match="unreadable"):
+        read_run_id(root)

@@ -1,0 +1,79 @@
+"""`moc train` as a user runs it, attacked the ways that once lost or mixed up state."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moc.train.metrics import read_events
+
+pytestmark = pytest.mark.integration  # real torchrun jobs
+
+
+def moc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moc", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _train_args(ckpt: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", str(steps),
+            "--ckpt-dir", str(ckpt), "--ckpt-mode", "moc", *extra]
+
+
+def test_a_finished_run_restarted_for_more_steps_loses_nothing(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    args = ("--ckpt-interval", "1", "--k-persist", "1", "--metrics", str(metrics))
+    assert moc(*_train_args(ckpt, 12, *args)).returncode == 0
+    inspect = moc("inspect", "--json", str(ckpt))
+    newest = json.loads(inspect.stdout)["newest"]
+    assert newest["step"] == 12
+    assert {a for row in newest["expert_age"].values() for a in row} == {0}
+    r = moc(*_train_args(ckpt, 14, *args))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (recovery,) = [e for e in read_events(metrics) if e["event"] == "recovery"]
+    assert (recovery["resumed_from"], recovery["plt"], recovery["lost_tokens"]) == (12, 0.0, 0)
+
+
+def test_a_second_job_on_the_same_directory_is_refused_and_the_first_keeps_its_checkpoints(
+        tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "moc", "train", "--nproc", "1", "--config", "tiny", "--steps",
+         "60", "--seed", "1", "--ckpt-dir", str(ckpt), "--ckpt-interval", "5",
+         "--ckpt-mode", "pec", "--keep-last", "2"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the first job is training: it holds the directory
+        second = moc("train", "--nproc", "1", "--config", "tiny", "--steps", "60", "--seed",
+                     "2", "--ckpt-dir", str(ckpt), "--ckpt-interval", "5", "--ckpt-mode",
+                     "pec", "--keep-last", "2")
+        assert second.returncode != 0
+        assert "is in use by another job: pid" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    verify = moc("verify", str(ckpt))
+    assert verify.returncode == 0 and "OK" in verify.stdout
+    newest = json.loads(moc("inspect", "--json", str(ckpt)).stdout)["steps"][-1]
+    assert newest["step"] == 60
+
+
+def test_memory_snapshots_of_a_killed_run_are_not_resumed_by_another_run(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    killed = moc(*_train_args(ckpt, 30, "--ckpt-interval", "5", "--k-persist", "1",
+                              "--fault-at", "23", "--fault-rank", "1"))
+    assert killed.returncode != 0  # no restarts allowed: the job died at step 23
+    for p in ckpt.iterdir():  # rm -rf DIR/*
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    other = moc(*_train_args(ckpt, 10, "--ckpt-interval", "5", "--seed", "7"))
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert "resumed from" not in other.stdout + other.stderr
