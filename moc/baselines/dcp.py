@@ -44,6 +44,14 @@ save. DCP keeps it until the trainer process exits; `close()` ends it. It is spa
 it imports only what unpickling its target needs: the worker entry point
 `moc.train.__main__` is never re-imported (multiprocessing skips the `__main__` module
 of a package, and it is guarded).
+
+Trust: DCP's own load trusts its directory. `torch.distributed.checkpoint` unpickles a
+step's `.metadata` (and the non-tensor values, here `META_KEY`, are pickled in the data
+files), so restoring a DCP step runs whatever its files say: restore only directories
+you wrote. Only the restore (`load_step`, inside DCP's load) reads them; moc's own
+tools never do: the launcher (`moc train`) only lists DCP steps (`complete_dcp_steps`)
+and leaves a different model to the restore to report. moc's own format
+(docs/FORMAT.md) is JSON and safetensors, read without unpickling anything.
 """
 
 from __future__ import annotations
@@ -137,7 +145,8 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def check_dcp_step(root: str | Path, step: int, model_meta: dict[str, Any]) -> dict[str, Any]:
     """The `META_KEY` record of `step`; raises IncompatibleCheckpointError when it was
-    written for another model."""
+    written for another model. Reads through DCP, which unpickles the step's files:
+    call it only where DCP's load would read them anyway (the restore)."""
     path = dcp_step_dir(root, step)
     meta = read_meta(path)
     check_model(meta.get("model"), model_meta, f"checkpoint {path}")

@@ -33,7 +33,13 @@ from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.format import TensorReader
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.store.steps import complete_steps, remove_abandoned, set_aside
+from moc.checkpoint.store.steps import (
+    checked_step_dir,
+    complete_steps,
+    remove_abandoned,
+    set_aside,
+    step_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +99,11 @@ class CheckpointReader:
                 f"step {self.manifest.step}: the manifest has no key {key!r}")
         path = entry.path(self.root)
         if path not in self._readers:
+            # The manifest's own checks made `entry.file` a bare rank-file name; the step
+            # directory must not be a link elsewhere, nor the file (O_NOFOLLOW).
+            checked_step_dir(self.root, entry.step)
             self._readers[path] = TensorReader(path)
-        return self._readers[path].read(key, entry.crc32)
+        return self._readers[path].read(key, entry.record)
 
     def state_names(self, prefix: str) -> list[str]:
         return _state_names(self.manifest.entries, prefix)
@@ -194,7 +203,16 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
         return None
     if dist.rank == 0:
         for step, reason in zip(result.skipped_steps, result.skipped, strict=True):
-            set_aside(root, step, reason)
+            try:
+                set_aside(root, step, reason)
+            except OSError as e:
+                # A read-only directory (a restore from an archived copy, EROFS/EACCES)
+                # is still worth restoring from: the corrupt step stays where it is and
+                # is skipped again by the next restore.
+                log.warning("could not set step %d aside as %s.corrupt (%s); it stays in "
+                            "place and is skipped again on every restore until it is "
+                            "removed: %s", step, step_dir(root, step).name, e.strerror or e,
+                            reason)
     manifest = result.manifest
     chain.advance(manifest)
     ledger.load_json(manifest.tokens)

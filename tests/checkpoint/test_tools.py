@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from moc.baselines.dcp import METADATA, dcp_step_dir
 from moc.checkpoint.store.format import write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import MANIFEST, begin_step, commit_step, rank_file, step_dir
 from moc.checkpoint.tools import expert_ages, inspect_checkpoints, verify_checkpoints
-from moc.cli import main
+from moc.cli import check_train_config, main
+from moc.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -189,8 +192,49 @@ def test_inspect_reports_a_corrupt_manifest_instead_of_crashing(tmp_path, capsys
     assert "not valid JSON" in info["steps"][-1]["corrupt"]
     assert info["newest"]["step"] == 20
     assert info["newest"]["expert_age"] == {"0": [10, 0, 10, 10], "1": [10, 10, 0, 10]}
-    assert main(["inspect", str(tmp_path)]) == 0
+    assert main(["inspect", str(tmp_path)]) == 1  # listed, and the exit status says so
     assert "CORRUPT" in capsys.readouterr().out
+
+
+def test_inspect_exits_0_when_no_step_is_corrupt(tmp_path, capsys):
+    _partial_chain(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert main(["inspect", "--json", str(tmp_path)]) == 0
+    assert "CORRUPT" not in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path, monkeypatch, capsys):
+    """`moc inspect DIR | head -1`: the reader is gone before the output is written."""
+    _partial_chain(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    pipe = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        assert main(["inspect", str(tmp_path)]) == 141
+    finally:
+        monkeypatch.undo()
+        pipe.close()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.integration
+def test_inspect_piped_into_head_prints_no_traceback(tmp_path):
+    _partial_chain(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Many steps make the output longer than a pipe's buffer (64 KiB), so that it is
+    # still being written when `head` exits. inspect reads manifests only: copies of
+    # step 30's, renumbered, are enough.
+    d = json.loads((step_dir(tmp_path, 30) / MANIFEST).read_text())
+    for step in range(40, 10_000, 10):
+        step_dir(tmp_path, step).mkdir()
+        d["step"] = d["extra"]["step"] = step
+        (step_dir(tmp_path, step) / MANIFEST).write_text(json.dumps(d))
+    out = subprocess.run(f'"{sys.executable}" -m moc inspect "{tmp_path}" | head -c 10',
+                         shell=True, capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=120)
+    assert len(out.stdout) == 10
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
@@ -307,3 +351,24 @@ def test_verify_exit_code_end_to_end(tmp_path):
     bad = verify()
     assert bad.returncode == 1
     assert "step-00000020/rank-00000.safetensors" in bad.stdout
+
+
+# ------------------------------------------------------------------------ DCP launcher
+
+
+class _Payload:
+    """What a hostile `.metadata` holds: unpickling it creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.mkdir, (str(self.marker),)
+
+
+def test_the_launcher_check_never_unpickles_a_dcp_directory(tmp_path):
+    root, marker = tmp_path / "ckpt", tmp_path / "unpickled"
+    dcp_step_dir(root, 10).mkdir(parents=True)
+    (dcp_step_dir(root, 10) / METADATA).write_bytes(pickle.dumps(_Payload(marker)))
+    check_train_config(TrainConfig(ckpt_dir=str(root), ckpt_mode="dcp-sync"), 1)
+    assert not marker.exists(), "moc's launcher unpickled the DCP step's .metadata"

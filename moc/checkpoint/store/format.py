@@ -1,24 +1,42 @@
-"""The bytes of a tensor file: safetensors written by moc, read by the safetensors library,
-with a CRC32 of every tensor.
+"""The bytes of a tensor file: standard safetensors, with a checksum of every tensor
+that covers its dtype, shape and bytes.
 
 Files are written by `write_safetensors` rather than `safetensors.torch.save_file`: it
 streams each tensor's bytes straight from memory (views into one storage are fine, no
 copy), computes the CRC32 of each tensor on the way, and fsyncs. The result is a
-standard safetensors file; loading goes through the safetensors library itself, so any
-divergence from the format would fail the tests.
+standard safetensors file (the tests load them with the safetensors library).
+
+Reading is `TensorReader`'s, not the safetensors library's: a checkpoint directory is
+untrusted input, and the library maps the file and copies whatever range a header
+declares before anything can be checked. This reader parses the header itself under
+strict limits (its length, every tensor's declared size against its dtype and shape,
+against the file, against the manifest) and only then reads exactly the tensor's own
+bytes with `os.preadv`, so a tampered header costs an error message, not the memory
+it declares.
+
+Checksums (docs/FORMAT.md, "Checksums"): a manifest of format version 2 records
+
+    checksum = zlib.crc32(descriptor(dtype, shape), zlib.crc32(bytes))
+
+the CRC32 of the bytes continued over a canonical "dtype [shape]" descriptor. A change
+of dtype or shape (in the header and the manifest alike) fails it, and a CRC32 of the
+bytes taken earlier (the two-level snapshot takes them in shared memory) is extended
+without reading the bytes again (`checksum`). Version 1 recorded the CRC32 of the bytes
+alone; `moc.checkpoint.store.manifest` converts those on load.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from moc.checkpoint.errors import CorruptCheckpointError
 
@@ -28,8 +46,16 @@ DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 """torch dtype -> safetensors dtype name: the dtypes a checkpoint can hold."""
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size()
+              for dtype, name in DTYPES.items()}
 ALIGN = 8
 """safetensors pads its JSON header so the data section starts 8-byte aligned."""
+MAX_HEADER_BYTES = 100 * 2**20
+"""The largest JSON header read. safetensors itself refuses headers over 100 MB; a
+header describes tensors, not holds them: a million keys take a few tens of MB."""
+READ_CHUNK = 1 << 30
+"""Bytes per `preadv` call: Linux transfers at most 2 GiB - 4 KiB in one."""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -40,22 +66,39 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
 
+def descriptor(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """The canonical "dtype [d0,d1,...]" a version-2 checksum covers after the bytes."""
+    return f"{dtype} [{','.join(str(d) for d in shape)}]".encode()
+
+
+def checksum(dtype: str, shape: tuple[int, ...], data_crc: int) -> int:
+    """A version-2 checksum from the CRC32 of the bytes alone (see the module doc)."""
+    return zlib.crc32(descriptor(dtype, shape), data_crc)
+
+
 def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(tensor_bytes(t))
+    """The version-2 checksum of a CPU tensor (dtype, shape and bytes)."""
+    return checksum(DTYPES[t.dtype], tuple(t.shape), zlib.crc32(tensor_bytes(t)))
 
 
 @dataclass(frozen=True)
 class TensorRecord:
+    """What a manifest records of one tensor, and what a read must find."""
+
     dtype: str
+    """safetensors dtype name (F32, BF16, ...)."""
     shape: tuple[int, ...]
     crc32: int
+    """The version-2 checksum (`checksum`): dtype, shape and bytes."""
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None,
                       crcs: dict[str, int] | None = None) -> dict[str, TensorRecord]:
-    """Write `tensors` (CPU) as one safetensors file, fsync it, return per-key records.
-    `crcs`: checksums already known (taken with a snapshot), not computed again."""
+    """Write `tensors` (CPU) as one safetensors file, fsync it, return per-key records
+    (with version-2 checksums). `crcs`: CRC32s of each tensor's bytes alone, already
+    known (taken with a snapshot), extended over dtype and shape instead of being
+    computed again."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for key, t in tensors.items():
@@ -74,32 +117,180 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         for key, t in tensors.items():
             data = tensor_bytes(t.cpu())
             f.write(data)
-            crc = crcs[key] if crcs is not None else zlib.crc32(data)
-            records[key] = TensorRecord(DTYPES[t.dtype], tuple(t.shape), crc)
+            data_crc = crcs[key] if crcs is not None else zlib.crc32(data)
+            dtype, shape = DTYPES[t.dtype], tuple(t.shape)
+            records[key] = TensorRecord(dtype, shape, checksum(dtype, shape, data_crc))
         f.flush()
         os.fsync(f.fileno())  # blocks until the bytes are on disk, not in the page cache
     return records
 
 
+@dataclass(frozen=True)
+class _Declared:
+    """One tensor as a file's header declares it, already checked for consistency."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    """Offset of the first byte from the start of the file."""
+    nbytes: int
+
+
 class TensorReader:
-    """Reads tensors from one safetensors file and checks each against its checksum."""
+    """Reads tensors from one safetensors file of a checkpoint, checking each against
+    what the manifest records (`TensorRecord`) before and after reading its bytes.
+
+    Opening parses and checks the whole header (every error is CorruptCheckpointError
+    naming the file); the file is kept open, so each `read` costs one `preadv` of
+    exactly that tensor's bytes. A symbolic link is refused (O_NOFOLLOW): a checkpoint's
+    files are its own.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._fd = -1
         try:
-            self._file = safe_open(str(path), framework="pt")
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: file is missing") from None
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({e})"
-                                         ) from None
-
-    def read(self, key: str, expected_crc: int) -> torch.Tensor:
+        except OSError as e:
+            if os.path.islink(self.path):
+                raise CorruptCheckpointError(
+                    f"{path}: is a symbolic link (to {os.readlink(self.path)}); a "
+                    "checkpoint's tensor files must be real files inside its step "
+                    "directory") from None
+            raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from None
         try:
-            t = self._file.get_tensor(key)
-        except Exception as e:
-            raise CorruptCheckpointError(f"{self.path}: cannot read key {key!r} ({e})") from None
-        if crc32(t) != expected_crc:
+            self._tensors = self._parse_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _corrupt(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {what}; the file is corrupt or not a "
+                                      "safetensors file written by moc")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise self._corrupt(f"ends at byte {offset + len(data)}, {n} bytes expected "
+                                f"from byte {offset}")
+        return data
+
+    def _parse_header(self) -> dict[str, _Declared]:
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._corrupt("not a regular file")
+        size = st.st_size
+        if size < 8:
+            raise self._corrupt(f"{size} bytes, shorter than a safetensors header length")
+        (n,) = struct.unpack("<Q", self._pread(8, 0))
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise self._corrupt(f"header length {n} exceeds the file ({size} bytes) or "
+                                f"the limit of {MAX_HEADER_BYTES} bytes")
+        try:
+            header = json.loads(self._pread(n, 8), object_pairs_hook=_no_duplicates)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self._corrupt(f"header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("header is not a JSON object")
+        start, data_size = 8 + n, size - 8 - n
+        spans: list[tuple[int, int, str]] = []
+        out: dict[str, _Declared] = {}
+        for key, d in header.items():
+            if key == "__metadata__":
+                if not (isinstance(d, dict) and all(isinstance(v, str) for v in d.values())):
+                    raise self._corrupt("__metadata__ is not a map of strings")
+                continue
+            out[key] = self._declared(key, d, start, data_size)
+            spans.append((out[key].begin - start, out[key].begin - start + out[key].nbytes,
+                          key))
+        # As the safetensors library requires: the tensors tile the data section, in
+        # order, with neither gaps nor overlaps.
+        at = 0
+        for begin, end, key in sorted(spans):
+            if begin != at:
+                raise self._corrupt(f"tensor {key!r} starts at data byte {begin}, expected "
+                                    f"{at} (tensors overlap or leave a gap)")
+            at = end
+        if at != data_size:
+            raise self._corrupt(f"the tensors cover {at} bytes of a {data_size}-byte data "
+                                "section")
+        return out
+
+    def _declared(self, key: str, d: Any, start: int, data_size: int) -> _Declared:
+        if not isinstance(d, dict) or set(d) != {"dtype", "shape", "data_offsets"}:
+            raise self._corrupt(f"header entry of {key!r} is not {{dtype, shape, "
+                                "data_offsets}")
+        dtype, shape, offsets = d["dtype"], d["shape"], d["data_offsets"]
+        if dtype not in ITEM_SIZES:
+            raise self._corrupt(f"tensor {key!r} has dtype {dtype!r}, expected one of "
+                                f"{', '.join(ITEM_SIZES)}")
+        if not (isinstance(shape, list) and all(_is_uint(x) for x in shape)):
+            raise self._corrupt(f"tensor {key!r} has shape {shape!r}, expected a list of "
+                                "non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(_is_uint(x) for x in offsets) and offsets[0] <= offsets[1]):
+            raise self._corrupt(f"tensor {key!r} has data_offsets {offsets!r}, expected "
+                                "[begin, end] with 0 <= begin <= end")
+        numel = 1
+        for x in shape:
+            numel *= x
+        nbytes = numel * ITEM_SIZES[dtype]
+        if offsets[1] - offsets[0] != nbytes:
+            raise self._corrupt(f"tensor {key!r} is {dtype} {tuple(shape)} ({nbytes} bytes) "
+                                f"but its data_offsets span {offsets[1] - offsets[0]}")
+        if offsets[1] > data_size:
+            raise self._corrupt(f"tensor {key!r} ends at data byte {offsets[1]}, beyond the "
+                                f"{data_size}-byte data section")
+        return _Declared(dtype, tuple(shape), start + offsets[0], nbytes)
+
+    def read(self, key: str, expected: TensorRecord) -> torch.Tensor:
+        """The tensor `key`, which must have the dtype, shape and checksum the manifest
+        records (`expected`); CorruptCheckpointError naming the file and key otherwise.
+        Dtype and shape are compared before any byte is read."""
+        d = self._tensors.get(key)
+        if d is None:
+            raise CorruptCheckpointError(f"{self.path}: no key {key!r} in the file; the "
+                                         "manifest says it is here")
+        if (d.dtype, d.shape) != (expected.dtype, tuple(expected.shape)):
             raise CorruptCheckpointError(
-                f"{self.path}: checksum mismatch for key {key!r}; the file is corrupt")
-        return t
+                f"{self.path}: key {key!r} is {d.dtype} {d.shape} in the file's header, "
+                f"the manifest records {expected.dtype} {tuple(expected.shape)}; the file "
+                "or the manifest is corrupt")
+        buf = torch.empty(d.nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < d.nbytes:  # blocks until this tensor's bytes are read
+            n = os.preadv(self._fd, [view[done:done + READ_CHUNK]], d.begin + done)
+            if n <= 0:
+                raise self._corrupt(f"key {key!r}: the file ends inside its data")
+            done += n
+        if checksum(d.dtype, d.shape, zlib.crc32(view)) != expected.crc32:
+            raise CorruptCheckpointError(
+                f"{self.path}: checksum mismatch for key {key!r} ({d.dtype} {d.shape}); "
+                "the file is corrupt")
+        return buf.view(TORCH_DTYPES[d.dtype]).reshape(d.shape)
+
+
+def _is_uint(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: JSON with a key twice is ambiguous (which one wins depends on
+    the reader), so it is refused."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out

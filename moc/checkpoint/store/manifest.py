@@ -8,15 +8,29 @@ needs nothing else to find and check every byte.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from moc.checkpoint.store.steps import MANIFEST, step_dir
+from moc.checkpoint.store.format import ITEM_SIZES, TensorRecord, checksum
+from moc.checkpoint.store.steps import (
+    MANIFEST,
+    RANK_FILE_PATTERN,
+    checked_step_dir,
+    is_rank_file,
+    step_dir,
+)
 
 FORMAT_NAME = "moc-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2: an entry's crc32 covers dtype, shape and bytes (format.checksum)."""
+READABLE_VERSIONS = (1, 2)
+"""Version 1: crc32 of the bytes alone; converted to version 2's meaning on load."""
+MAX_MANIFEST_BYTES = 1 << 30
+"""A manifest lists keys, not tensors: a model of a million keys needs a few hundred MB.
+Anything larger is not a manifest, and is not read into memory."""
 
 
 @dataclass(frozen=True)
@@ -31,9 +45,15 @@ class Entry:
     """safetensors dtype name (F32, BF16, I64, ...)."""
     shape: tuple[int, ...]
     crc32: int
+    """The version-2 checksum of dtype, shape and bytes (`format.checksum`)."""
 
     def path(self, root: Path) -> Path:
         return step_dir(root, self.step) / self.file
+
+    @property
+    def record(self) -> TensorRecord:
+        """What a read of this key must find in the file."""
+        return TensorRecord(self.dtype, self.shape, self.crc32)
 
 
 @dataclass(frozen=True)
@@ -70,43 +90,59 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
+        """Parse and validate a manifest. Everything in it is checked (types, ranges,
+        and that the fields agree with one another), since recovery acts on it: a
+        malformed field is CorruptCheckpointError (recovery falls back to an older
+        step), never a traceback later. A readable version-1 manifest comes back with
+        version-2 checksums (and `version` 2): in memory every manifest means the same.
+        IncompatibleCheckpointError is for a format version this moc cannot read."""
         try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
+            d = json.loads(text, object_pairs_hook=_no_duplicates)
+        except ValueError as e:  # JSONDecodeError, and duplicate keys
             raise CorruptCheckpointError(f"{source}: manifest is not valid JSON ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{source}: not a moc manifest (no "
                                          f"'format': '{FORMAT_NAME}')")
-        if d.get("version") != FORMAT_VERSION:
+        version = d.get("version")
+        if not _is_int(version):
+            raise CorruptCheckpointError(f"{source}: manifest 'version' is {version!r}, "
+                                         "expected an integer")
+        if version not in READABLE_VERSIONS:
             raise IncompatibleCheckpointError(
-                f"{source}: format version {d.get('version')!r}, this moc reads version "
-                f"{FORMAT_VERSION}; restore it with the moc release that wrote it")
+                f"{source}: format version {version!r}, this moc reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; restore it with the moc "
+                "release that wrote it")
         required = ("step", "mode", "layout", "model", "entries")
         missing = [k for k in required if k not in d]
         if missing:
             raise CorruptCheckpointError(f"{source}: manifest lacks {', '.join(missing)}")
         try:
-            entries = {k: Entry(int(e["step"]), str(e["file"]), str(e["dtype"]),
-                                tuple(int(s) for s in e["shape"]), int(e["crc32"]))
-                       for k, e in d["entries"].items()}
-            return cls(step=int(d["step"]), mode=str(d["mode"]), layout=dict(d["layout"]),
-                       model=dict(d["model"]), entries=entries,
-                       files={str(k): int(v) for k, v in d.get("files", {}).items()},
-                       extra=dict(d.get("extra", {})), experts=_experts(d.get("experts", {})),
-                       policy=dict(d.get("policy", {})),
-                       experts_saved={str(k): [int(x) for x in v]
-                                      for k, v in d.get("experts_saved", {}).items()},
-                       tokens=dict(d.get("tokens", {})), version=int(d["version"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{source}: malformed manifest entry ({e!r})") from None
+            return _parse(d, version)
+        except _Malformed as e:
+            raise CorruptCheckpointError(
+                f"{source}: malformed manifest: {e}; the step is corrupt (recovery uses an "
+                "older one)") from None
 
     @classmethod
     def load(cls, root: Path, step: int) -> Manifest:
-        path = step_dir(root, step) / MANIFEST
+        path = checked_step_dir(root, step) / MANIFEST
         try:
-            text = path.read_text()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            what = "is a symbolic link" if os.path.islink(path) else e.strerror
+            raise CorruptCheckpointError(f"{path}: cannot read manifest ({what})") from None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: cannot read manifest ({e.strerror})") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{path}: over {MAX_MANIFEST_BYTES} bytes; not a "
+                                         "manifest")
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{path}: manifest is not UTF-8 ({e})") from None
         manifest = cls.from_json(text, str(path))
         if manifest.step != step:
             raise CorruptCheckpointError(f"{path}: manifest says step {manifest.step}, "
@@ -151,12 +187,155 @@ def differences(saved: Any, now: Any, path: str = "") -> list[str]:
     return [] if saved == now else [f"{path}: checkpoint {saved!r} vs now {now!r}"]
 
 
+# -- validation: a manifest's every field ---------------------------------------------
+
+
+class _Malformed(ValueError):
+    """What is wrong with one field; from_json turns it into CorruptCheckpointError."""
+
+
+FIELDS = {"format", "version", "step", "mode", "layout", "model", "entries", "files",
+          "extra", "experts", "policy", "experts_saved", "tokens"}
+ENTRY_FIELDS = {"step", "file", "dtype", "shape", "crc32"}
+POLICY_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "selection": (str,), "apply_to": (str,), "dynamic_k": (bool,),
+    "plt_threshold": (int, float), "plt_base": (int, float)}
+"""Typed policy fields besides the integers (`k`, `index`) and `lost_base`; other keys
+are a policy's own and only need to be JSON."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a key given twice is ambiguous (readers disagree on which one
+    wins), so a manifest with one is refused rather than read either way."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not 1
+
+
+def _uint(x: object, what: str, below: int | None = None) -> int:
+    if not _is_int(x) or x < 0 or (below is not None and x >= below):
+        bound = f" below {below}" if below is not None else ""
+        raise _Malformed(f"{what} is {x!r}, expected an integer >= 0{bound}")
+    return x
+
+
+def _dict(x: object, what: str) -> dict[str, Any]:
+    if not isinstance(x, dict):
+        raise _Malformed(f"{what} is {type(x).__name__} {x!r:.60}, expected an object")
+    return x
+
+
+def _int_table(x: object, rows: int | None, cols: int | None, what: str) -> list[Any]:
+    """A list of `rows` lists of `cols` non-negative ints (a dimension None: any)."""
+    if not isinstance(x, list) or (rows is not None and len(x) != rows):
+        raise _Malformed(f"{what} is {x!r:.60}, expected {rows} rows (MoE layers)")
+    for i, row in enumerate(x):
+        if not isinstance(row, list) or (cols is not None and len(row) != cols):
+            raise _Malformed(f"{what}[{i}] is {row!r:.60}, expected {cols} counts (experts)")
+        for v in row:
+            _uint(v, f"{what}[{i}] entry")
+    return x
+
+
+def _parse(d: dict[str, Any], version: int) -> Manifest:
+    unknown = set(d) - FIELDS
+    if unknown:
+        raise _Malformed(f"unknown field(s) {', '.join(sorted(unknown))}")
+    step = _uint(d["step"], "step")
+    if not isinstance(d["mode"], str):
+        raise _Malformed(f"mode is {d['mode']!r}, expected a string")
+    layout = {k: _uint(v, f"layout.{k}") for k, v in _dict(d["layout"], "layout").items()}
+    model = _dict(d["model"], "model")
+    entries = {k: _entry(e, k, step, version)
+               for k, e in _dict(d["entries"], "entries").items()}
+    files = {}
+    for name, size in _dict(d.get("files", {}), "files").items():
+        if not is_rank_file(name):
+            raise _Malformed(f"files names {name!r}, expected {RANK_FILE_PATTERN}")
+        files[name] = _uint(size, f"files[{name!r}]")
+    extra = _dict(d.get("extra", {}), "extra")
+    if "step" in extra and (not _is_int(extra["step"]) or extra["step"] != step):
+        raise _Malformed(f"extra.step is {extra['step']!r}, the manifest's step is {step}: "
+                         "the loop state belongs to another step")
+    experts = _experts(_dict(d.get("experts", {}), "experts"))
+    n_layers, n_experts = experts.get("n_moe_layers"), experts.get("n_experts")
+    policy = _policy(_dict(d.get("policy", {}), "policy"), n_layers)
+    experts_saved = {}
+    for layer, ids in _dict(d.get("experts_saved", {}), "experts_saved").items():
+        if not layer.isdigit() or (n_layers is not None and int(layer) >= n_layers):
+            raise _Malformed(f"experts_saved has layer {layer!r}, expected a MoE layer index"
+                             f" below {n_layers}")
+        if not isinstance(ids, list):
+            raise _Malformed(f"experts_saved[{layer!r}] is {ids!r:.60}, expected a list")
+        experts_saved[layer] = [_uint(g, f"experts_saved[{layer!r}] id", n_experts)
+                                for g in ids]
+    tokens = _dict(d.get("tokens", {}), "tokens")
+    if tokens:
+        if set(tokens) != {"cumulative", "at_save", "lost"}:
+            raise _Malformed(f"tokens has {sorted(tokens)}, expected cumulative, at_save, "
+                             "lost")
+        _int_table(tokens["cumulative"], n_layers, n_experts, "tokens.cumulative")
+        rows = len(tokens["cumulative"])
+        cols = len(tokens["cumulative"][0]) if rows else n_experts
+        _int_table(tokens["at_save"], rows, cols, "tokens.at_save")
+        _int_table([tokens["lost"]], 1, rows, "tokens.lost")
+    return Manifest(step=step, mode=d["mode"], layout=layout, model=model, entries=entries,
+                    files=files, extra=extra, experts=experts, policy=policy,
+                    experts_saved=experts_saved, tokens=tokens, version=FORMAT_VERSION)
+
+
+def _entry(e: object, key: str, step: int, version: int) -> Entry:
+    e = _dict(e, f"entries[{key!r}]")
+    if set(e) != ENTRY_FIELDS:
+        raise _Malformed(f"entries[{key!r}] has {sorted(e)}, expected "
+                         f"{', '.join(sorted(ENTRY_FIELDS))}")
+    what = f"entries[{key!r}]"
+    at = _uint(e["step"], f"{what}.step", step + 1)  # older steps only, or this one
+    if not is_rank_file(e["file"]):
+        raise _Malformed(f"{what}.file is {e['file']!r}, expected a file of the step "
+                         f"directory named {RANK_FILE_PATTERN}")
+    if e["dtype"] not in ITEM_SIZES:
+        raise _Malformed(f"{what}.dtype is {e['dtype']!r}, expected one of "
+                         f"{', '.join(ITEM_SIZES)}")
+    if not isinstance(e["shape"], list):
+        raise _Malformed(f"{what}.shape is {e['shape']!r}, expected a list")
+    shape = tuple(_uint(x, f"{what}.shape") for x in e["shape"])
+    crc = _uint(e["crc32"], f"{what}.crc32", 1 << 32)
+    if version == 1:  # the bytes alone; extended as version 2 defines it
+        crc = checksum(e["dtype"], shape, crc)
+    return Entry(at, e["file"], e["dtype"], shape, crc)
+
+
 def _experts(d: dict[str, Any]) -> dict[str, Any]:
-    """Validate the `experts` field: stems must map to MoE layer indices."""
+    """The `experts` field: counts, and stems that map to MoE layer indices."""
     out = dict(d)
-    if "stems" in out:
-        out["stems"] = {str(k): int(v) for k, v in dict(out["stems"]).items()}
     for k in ("n_experts", "n_moe_layers"):
         if k in out:
-            out[k] = int(out[k])
+            _uint(out[k], f"experts.{k}")
+    if "stems" in out:
+        below = out.get("n_moe_layers")
+        out["stems"] = {str(k): _uint(v, f"experts.stems[{k!r}]", below)
+                        for k, v in _dict(out["stems"], "experts.stems").items()}
     return out
+
+
+def _policy(d: dict[str, Any], n_layers: int | None) -> dict[str, Any]:
+    """The `policy` field: the keys recovery and tools act on, typed."""
+    for k in ("k", "index"):
+        if k in d and d[k] is not None:
+            _uint(d[k], f"policy.{k}")
+    for k, types in POLICY_TYPES.items():
+        if k in d and d[k] is not None and (
+                not isinstance(d[k], types) or (bool not in types and isinstance(d[k], bool))):
+            raise _Malformed(f"policy.{k} is {d[k]!r}, expected "
+                             f"{' or '.join(t.__name__ for t in types)}")
+    if "lost_base" in d:
+        _int_table([d["lost_base"]], 1, n_layers, "policy.lost_base")
+    return d

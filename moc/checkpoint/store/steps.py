@@ -17,14 +17,25 @@ plan's; this module only names directories and moves them.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
+
+from moc.checkpoint.errors import CorruptCheckpointError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STEP_RE = re.compile(r"^step-(\d{8})$")
 """A step directory proper; `.tmp`, `.replaced`, `.corrupt` and `.deleting` are not."""
+RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
+"""The only tensor file names a manifest may hold (`rank_file`): a bare name, so an
+entry cannot point outside its step directory (no `/`, no `..`, not absolute)."""
+RANK_FILE_PATTERN = "rank-NNNNN.safetensors"
+"""RANK_FILE_RE as error messages name it."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -37,6 +48,30 @@ def tmp_dir(root: Path, step: int) -> Path:
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+def is_rank_file(name: object) -> bool:
+    return isinstance(name, str) and RANK_FILE_RE.match(name) is not None
+
+
+def checked_step_dir(root: Path, step: int) -> Path:
+    """`step_dir(root, step)`, which must be a real directory inside `root`: a symbolic
+    link would make the step's files (and its manifest) those of another directory,
+    read with this checkpoint's trust. Raises CorruptCheckpointError otherwise."""
+    path = step_dir(root, step)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: step directory is missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{path}: is a symbolic link (to {os.readlink(path)}); a step must be a real "
+            "directory inside the checkpoint directory: copy the step in, or remove it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptCheckpointError(f"{path}: expected a step directory, found a file")
+    return path
 
 
 def fsync_dir(path: Path) -> None:
@@ -133,12 +168,22 @@ def set_aside(root: Path, step: int, reason: str) -> Path:
     Kept for inspection rather than deleted, and out of the way: it is never read again,
     retention does not count it among the newest steps, and the step number can be
     committed anew by the run that continues from an older step.
+
+    A step that is a symbolic link is set aside as the link: the reason is logged, not
+    written into the directory it points to. Raises OSError when the root cannot be
+    written (a read-only file system): the caller decides whether that matters.
     """
     src = step_dir(root, step)
     dst = Path(root) / f"{src.name}.corrupt"
-    if dst.exists():
+    if dst.is_symlink() or dst.is_file():
+        dst.unlink()
+    elif dst.exists():
         shutil.rmtree(dst)
+    link = src.is_symlink()
     src.rename(dst)
-    (dst / "CORRUPT.txt").write_text(reason + "\n")
+    if link:
+        log.warning("%s was a symbolic link, renamed to %s: %s", src, dst.name, reason)
+    else:
+        (dst / "CORRUPT.txt").write_text(reason + "\n")
     fsync_dir(Path(root))
     return dst

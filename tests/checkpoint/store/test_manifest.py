@@ -20,7 +20,7 @@ from moc.checkpoint.store.steps import MANIFEST, begin_step, commit_step, step_d
 
 def _manifest_json(**changes) -> str:
     m = Manifest(step=3, mode="blocking", layout={"world_size": 1, "ep": 1},
-                 model={"d_model": 8}, entries={"param/x": Entry(3, "r.safetensors", "F32",
+                 model={"d_model": 8}, entries={"param/x": Entry(3, "rank-00000.safetensors", "F32",
                                                                  (2,), 123)})
     d = json.loads(m.to_json())
     d.update(changes)
@@ -29,7 +29,7 @@ def _manifest_json(**changes) -> str:
 
 def test_manifest_round_trips():
     m = Manifest.from_json(_manifest_json(), "m")
-    assert m.entries["param/x"] == Entry(3, "r.safetensors", "F32", (2,), 123)
+    assert m.entries["param/x"] == Entry(3, "rank-00000.safetensors", "F32", (2,), 123)
 
 
 @pytest.mark.parametrize(("text", "error", "match"), [
