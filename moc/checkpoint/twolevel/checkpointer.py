@@ -32,6 +32,7 @@ checkpoints in flight (owned by the caller's thread) and the one snapshot being 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -52,13 +53,20 @@ from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
-from moc.checkpoint.twolevel.protocol import Done
+from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
 from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot
-from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, default_job_id, remove_job
+from moc.checkpoint.twolevel.slots import (
+    SnapshotStore,
+    claim_job,
+    default_job_id,
+    job_dir,
+    remove_job,
+)
 from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker
 from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,9 +129,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self.job = job or default_job_id(directory)
         self.store = SnapshotStore(self.job, p.groups.rank)
         self.worker = SnapshotWorker()
-        if p.groups.rank == 0:
-            claim_job(self.job)
-        self.persist = PersistClient(self.job, p.root, p.groups.rank)
+        self.persist = self._start_persist()
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy), k,
@@ -131,6 +137,25 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
+
+    def _start_persist(self) -> PersistClient:
+        """Collective: rank 0 claims the job's shared memory and starts the persist
+        process; the other ranks connect only once rank 0 says it is up, and raise rank
+        0's error when it is not: every rank fails within seconds with the same line,
+        none waits out a connect timeout."""
+        p = self.parts
+        client, error = None, None
+        if p.groups.rank == 0:
+            try:
+                claim_job(self.job)
+                client = PersistClient(self.job, p.root, 0)
+            except CheckpointError as e:
+                error = str(e)
+        error, generation = p.dist.broadcast(
+            (error, client.generation if client is not None else None))
+        if error is not None:
+            raise CheckpointError(error)
+        return client or PersistClient(self.job, p.root, p.groups.rank, generation)
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -274,7 +299,10 @@ class TwoLevelCheckpointer(CheckpointEngine):
 
     def close(self, keep_snapshots: bool = False) -> None:
         """Wait for the snapshot and the persist in flight, stop the persist process and
-        remove this job's shared memory (unless `keep_snapshots`). Collective."""
+        remove this job's shared memory (unless `keep_snapshots`, or unless it holds a
+        snapshot newer than the newest checkpoint on storage: then it is the only copy).
+        Collective. Raises CheckpointError on every rank when the persist process was
+        lost for good: the job must not look successful with its checkpoints in memory."""
         failures = []
         try:
             self.flush()
@@ -287,8 +315,36 @@ class TwoLevelCheckpointer(CheckpointEngine):
                 self.worker.stop()
                 self.store.release()
                 if self.parts.groups.rank == 0 and not keep_snapshots:
-                    remove_job(self.job)
+                    self._remove_snapshots()
         if self.parts.retention is not None:
             self.parts.retention.close()
         self._raise_shared_error()
         raise_failures(failures, self.parts.groups.world_size)
+        self._raise_if_persist_lost()
+
+    def _remove_snapshots(self) -> None:
+        """Rank 0, at close: remove the job's shared memory unless its newest snapshot is
+        newer than the newest complete step on storage, or the persist process was lost
+        (then a restart of the job resumes from it; the next job start removes it once
+        its owner is gone)."""
+        newest = max((h.step for h in self.store.headers().values()), default=None)
+        durable = complete_steps(self.root)
+        if newest is not None and (not durable or newest > durable[-1]
+                                   or not self.planner.persist_alive):
+            log.warning("kept the snapshot of step %d in %s: it is newer than the newest "
+                        "checkpoint on storage (%s)", newest, job_dir(self.job),
+                        f"step {durable[-1]}" if durable else "none")
+            return
+        remove_job(self.job)
+
+    def _raise_if_persist_lost(self) -> None:
+        """Every rank (persist_alive is rank 0's view, shared at each plan)."""
+        if self.planner.persist_alive:
+            return
+        manifest = self.parts.chain.manifest
+        raise CheckpointError(
+            f"the persist process died and could not be restarted ({MAX_RESTARTS} "
+            "restarts at most); checkpoints after "
+            f"{f'step {manifest.step}' if manifest is not None else 'the start'} reached "
+            f"shared memory only, kept in {job_dir(self.job)}: restart the job on this "
+            "node to resume from them, after fixing the persist process's error (above)")
