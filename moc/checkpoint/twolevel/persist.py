@@ -266,12 +266,12 @@ class PersistClient:
 
 
 def _connect(jdir: Path, secret: Callable[[], bytes | None],
-             process: subprocess.Popen | None = None,
-             timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+             process: subprocess.Popen | None = None) -> Connection:
     """Connect to the job's persist process, retrying while it starts (no socket yet, no
     secret recorded yet, or a secret of an older process). `process` (rank 0): stop as
     soon as it has exited. Raises CheckpointError with what to do."""
     path = socket_path(jdir)
+    timeout_s = CONNECT_TIMEOUT_S
     deadline = time.monotonic() + timeout_s
     while True:
         if process is not None and process.poll() is not None:
