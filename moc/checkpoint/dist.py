@@ -41,17 +41,26 @@ failures and takes the same path. `raise_if_any` raises the same exception on ev
 naming the ranks and their errors: IncompatibleCheckpointError if any rank's error was
 one (a different model: nothing older fits either), else CorruptCheckpointError if any
 was one, else CheckpointError.
+
+## What travels
+
+Objects travel encoded by `moc.checkpoint.codec` (JSON plus moc's own frozen
+dataclasses), never pickled: `all_gather_object` and `broadcast_object_list` unpickle
+what a peer sent, so a process that can reach the job's gloo connections could run code
+in every rank. The bytes move in tensor collectives. An object the codec cannot encode
+(a tensor, a torch.dtype, an arbitrary class) raises TypeError on the rank that sends
+it, before it enters the collective: a bug in the caller, never a message.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moc.checkpoint import codec
 from moc.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -60,7 +69,7 @@ from moc.checkpoint.errors import (
 from moc.topology import ParallelGroups
 
 SHARE_BYTES = 8192
-"""Room for a pickled object inside `exchange`'s all-reduce; a larger one (long error
+"""Room for an encoded object inside `exchange`'s all-reduce; a larger one (long error
 messages) takes a second collective."""
 ALIGN = 8
 """Each tensor starts 8-byte aligned in `gather_tensors`' flat buffer, so it can be viewed
@@ -101,17 +110,32 @@ class Dist:
         """Every rank's `obj`, in rank order, on every rank."""
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        return self._all_gather_in(self._group, self.world_size, obj)
+
+    def _all_gather_in(self, group: Any, size: int, obj: Any) -> list[Any]:
+        """`all_gather` over `group` (of `size` ranks): the encoded sizes, then the bytes
+        padded to the longest, as two tensor all-gathers (what `all_gather_object` does,
+        minus the pickle)."""
+        data = _as_tensor(codec.encode(obj))
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+        longest = max(int(n) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+        dist.all_gather(bufs, padded, group=group)
+        return [_decoded(buf[:int(n)]) for buf, n in zip(bufs, sizes, strict=True)]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank `src`'s `obj` on every rank."""
+        """Rank `src`'s `obj` on every rank (the others' `obj` is ignored)."""
         if not self.enabled:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._group)
-        return box[0]
+        data = _as_tensor(codec.encode(obj)) if self.rank == src else None
+        size = torch.tensor([data.numel() if data is not None else 0])
+        dist.broadcast(size, src=src, group=self._group)
+        buf = data if data is not None else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self._group)
+        return _decoded(buf)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -127,7 +151,7 @@ class Dist:
 
     def exchange(self, share: Any, counts: torch.Tensor | None = None) -> Any:
         """Rank 0's `share` to every rank, and `counts` (int64, CPU) summed over ranks in
-        place, in one all-reduce instead of three collectives (a broadcast of the pickled
+        place, in one all-reduce instead of three collectives (a broadcast of the encoded
         size, one of the bytes, an all-reduce of the counts): the two-level engine pays
         for each collective of a checkpoint in stall. Rank 0's bytes travel as int64
         words that every other rank contributes as zeros, so the sum is rank 0's bytes,
@@ -139,7 +163,7 @@ class Dist:
         if counts is not None:
             buf[:n] = counts.flatten()
         if self.rank == 0:
-            data = pickle.dumps(share)
+            data = codec.encode(share)
             if len(data) <= SHARE_BYTES:
                 buf[n] = len(data)
                 words = buf[n + 1:].view(torch.uint8)
@@ -152,7 +176,7 @@ class Dist:
         length = int(buf[n])
         if length < 0:
             return self.broadcast(share)
-        return pickle.loads(buf[n + 1:].view(torch.uint8)[:length].numpy().tobytes())
+        return _decoded(buf[n + 1:].view(torch.uint8)[:length])
 
     def broadcast_edp_(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Global rank `src`'s CPU tensor to every rank of this rank's EDP group (the
@@ -168,8 +192,8 @@ class Dist:
         order, on `dst`; [] elsewhere. Nothing moves in a group of one.
 
         Not `gather_object`: it pickles every tensor through `torch.save`, which on a
-        400 MB optimizer state costs seconds of serialisation. Only names, dtypes and
-        shapes travel as objects; the bytes travel as one flat uint8 buffer per rank,
+        400 MB optimizer state costs seconds of serialisation. Only names, dtype names
+        and shapes travel as objects; the bytes travel as one flat uint8 buffer per rank,
         padded to the largest, in a single tensor gather."""
         group = self.groups.edp_side_group if edp else self._group
         if not self.enabled:
@@ -181,8 +205,7 @@ class Dist:
             return [tensors]
         meta, flat = _pack(tensors)
         size = dist.get_world_size(group)
-        infos: list[Any] = [None] * size
-        dist.all_gather_object(infos, (meta, flat.numel()), group=group)  # names: small
+        infos = self._all_gather_in(group, size, (meta, flat.numel()))  # names: small
         longest = max(n for _, n in infos)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:flat.numel()] = flat
@@ -236,22 +259,43 @@ def describe(failures: list[RankError], world_size: int) -> str:
     return "; ".join(parts)
 
 
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decoded(buf: torch.Tensor) -> Any:
+    """A peer's object; a CheckpointError if its bytes are not moc's encoding (a
+    corrupted or foreign peer): the engines' error path, not a crash in a decoder."""
+    try:
+        return codec.decode(buf.numpy().tobytes())
+    except codec.CodecError as e:
+        raise CheckpointError(f"a collective of the checkpoint engine received {e}") from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"gather_tensors received an unknown dtype {name!r:.40}")
+    return dtype
+
+
 def _pack(tensors: dict[str, torch.Tensor]
-          ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], torch.Tensor]:
+          ) -> tuple[list[tuple[str, str, tuple[int, ...]]], torch.Tensor]:
     meta, parts = [], []
     for key, t in tensors.items():
         raw = t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
         pad = -raw.numel() % ALIGN
         parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
-        meta.append((key, t.dtype, tuple(t.shape)))
+        meta.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
     flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return meta, flat
 
 
-def _unpack(meta: list[tuple[str, torch.dtype, tuple[int, ...]]], flat: torch.Tensor
+def _unpack(meta: list[tuple[str, str, tuple[int, ...]]], flat: torch.Tensor
             ) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
-    for key, dtype, shape in meta:
+    for key, name, shape in meta:
+        dtype = _dtype(name)
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         out[key] = flat[offset:offset + n].view(dtype).reshape(shape)
         offset += n + (-n % ALIGN)

@@ -212,8 +212,9 @@ class Checkpointer(CheckpointEngine):
         try:
             records = tensor_files.write_safetensors(path, tensors)
             nbytes = path.stat().st_size
-        except OSError as e:
-            return {}, 0, f"rank {rank} could not write {path}: {e}"
+        except OSError as e:  # name the file and the size: `[Errno 28]` alone says neither
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            return {}, 0, f"rank {rank} could not write {path} ({nbytes} bytes): {e}"
         return ({k: Entry(step, name, r.dtype, r.shape, r.crc32) for k, r in records.items()},
                 nbytes, None)
 

@@ -113,3 +113,47 @@ def test_every_rank_sees_the_same_results_and_the_same_failure():
         assert r["large"] == "x" * (2 * SHARE_BYTES)
         assert r["raised"] == ("CorruptCheckpointError", "rank 1: flipped bit")
         assert r["agree"] == [RankError(0, "OSError", "[Errno 5] I/O")]
+
+
+def _engine_objects(rank: int, world: int, marker: str) -> dict:
+    from tests.checkpoint.test_codec import ENGINE_OBJECTS
+
+    d = _world()
+    out = {"gather": d.all_gather(ENGINE_OBJECTS[rank::2]),
+           "bcast": d.broadcast(ENGINE_OBJECTS if rank == 1 else None, src=1),
+           "exchange": d.exchange(ENGINE_OBJECTS if rank == 0 else None)}
+    # A peer that speaks pickle (all_gather_object's encoding) into the same collective:
+    # refused as a CheckpointError on the receiving rank, and never run.
+    import pickle
+
+    import torch.distributed as dist
+
+    from tests.checkpoint.test_codec import _Marker
+    if rank == 1:
+        data = torch.frombuffer(bytearray(pickle.dumps(_Marker(marker))), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([data.numel()]), group=d._group)
+        padded = torch.zeros(int(max(sizes)), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        dist.all_gather([torch.empty_like(padded) for _ in range(world)], padded,
+                        group=d._group)
+    else:
+        try:
+            d.all_gather(None)
+        except CheckpointError as e:
+            out["pickle"] = str(e)
+    return out
+
+
+def test_every_engine_object_crosses_real_ranks_exactly_and_a_pickle_never_runs(tmp_path):
+    from tests.checkpoint.test_codec import ENGINE_OBJECTS, _types
+
+    marker = tmp_path / "pwned"
+    results = run_ranks(_engine_objects, 2, str(marker))
+    for r in results:
+        want = [ENGINE_OBJECTS[0::2], ENGINE_OBJECTS[1::2]]
+        for got in (r["gather"], [r["bcast"]], [r["exchange"]]):
+            expected = want if got is r["gather"] else [ENGINE_OBJECTS]
+            assert got == expected and _types(got) == _types(expected)
+    assert "not a moc message" in results[0]["pickle"]
+    assert not marker.exists()

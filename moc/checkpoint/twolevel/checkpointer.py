@@ -58,15 +58,20 @@ from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
-from moc.checkpoint.twolevel.protocol import Done
+from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
 from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot
-from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, default_job_id, remove_job
+from moc.checkpoint.twolevel.slots import (
+    SnapshotStore,
+    claim_job,
+    default_job_id,
+    job_dir,
+    remove_job,
+)
 from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker
 from moc.topology import ParallelGroups
 
-log = logging.getLogger(__name__)
-
 PERSIST_POLICIES = ("skip", "wait")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,9 +136,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self.job = job or default_job_id(directory)
         self.store = SnapshotStore(self.job, p.groups.rank)
         self.worker = SnapshotWorker()
-        if p.groups.rank == 0:
-            claim_job(self.job)
-        self.persist = PersistClient(self.job, p.root, p.groups.rank)
+        self.persist = self._start_persist()
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id), k,
@@ -142,6 +145,25 @@ class TwoLevelCheckpointer(CheckpointEngine):
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
+
+    def _start_persist(self) -> PersistClient:
+        """Collective: rank 0 claims the job's shared memory and starts the persist
+        process; the other ranks connect only once rank 0 says it is up, and raise rank
+        0's error when it is not: every rank fails within seconds with the same line,
+        none waits out a connect timeout."""
+        p = self.parts
+        client, error = None, None
+        if p.groups.rank == 0:
+            try:
+                claim_job(self.job)
+                client = PersistClient(self.job, p.root, 0)
+            except CheckpointError as e:
+                error = str(e)
+        error, generation = p.dist.broadcast(
+            (error, client.generation if client is not None else None))
+        if error is not None:
+            raise CheckpointError(error)
+        return client or PersistClient(self.job, p.root, p.groups.rank, generation)
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -303,12 +325,14 @@ class TwoLevelCheckpointer(CheckpointEngine):
     def close(self, keep_snapshots: bool = False) -> None:
         """Finish the checkpoints in flight, make the newest snapshot a complete
         checkpoint on storage (unless a `final` save already did), stop the persist
-        process and remove this job's shared memory (unless `keep_snapshots`, or the
-        newest snapshot is newer than every durable checkpoint: then it is the only copy
-        and stays for a restart to recover). Collective; raises what went wrong."""
+        process and remove this job's shared memory (unless `keep_snapshots`, or unless
+        it holds a snapshot newer than the newest checkpoint on storage: then it is the
+        only copy and stays for a restart to recover). Collective. Raises what went
+        wrong on every rank: CheckpointError when the persist process was lost for good
+        (the job must not look successful with its checkpoints in memory),
+        CheckpointFailedError when the final checkpoint failed."""
         p = self.parts
         failures = []
-        durable = False
         try:
             self.flush()
             why = self.planner.persist_newest(self.store)
@@ -316,25 +340,44 @@ class TwoLevelCheckpointer(CheckpointEngine):
                 log.warning("the newest checkpoint on storage is not complete: %s", why)
             # A retention error learned in that flush has no later plan to share it.
             failures = p.dist.agree(self.planner.take_error())
-            durable = self._newest_is_durable()
         finally:
             try:
                 self.persist.stop()
             finally:
                 self.worker.stop()
                 self.store.release()
-                if p.groups.rank == 0 and not keep_snapshots and durable:
-                    remove_job(self.job)
+                if p.groups.rank == 0 and not keep_snapshots:
+                    self._remove_snapshots()
                 if p.retention is not None:
                     p.retention.close()
                 p.release()
         self._raise_shared_error()
         raise_failures(failures, p.groups.world_size)
+        self._raise_if_persist_lost()
 
-    def _newest_is_durable(self) -> bool:
-        """Whether storage holds a checkpoint at least as new as the newest snapshot."""
-        header = (self.store.headers().get(self.planner.newest_slot)
-                  if self.planner.newest_slot is not None else None)
-        newest = header.step if header is not None else -1
-        committed = self.parts.chain.manifest.step if self.parts.chain.manifest else -1
-        return all(self.parts.dist.all_gather(committed >= newest))
+    def _remove_snapshots(self) -> None:
+        """Rank 0, at close: remove the job's shared memory unless its newest snapshot is
+        newer than the newest complete step on storage, or the persist process was lost
+        (then a restart of the job resumes from it; the next job start removes it once
+        its owner is gone)."""
+        newest = max((h.step for h in self.store.headers().values()), default=None)
+        durable = complete_steps(self.root)
+        if newest is not None and (not durable or newest > durable[-1]
+                                   or not self.planner.persist_alive):
+            log.warning("kept the snapshot of step %d in %s: it is newer than the newest "
+                        "checkpoint on storage (%s)", newest, job_dir(self.job),
+                        f"step {durable[-1]}" if durable else "none")
+            return
+        remove_job(self.job)
+
+    def _raise_if_persist_lost(self) -> None:
+        """Every rank (persist_alive is rank 0's view, shared at each plan)."""
+        if self.planner.persist_alive:
+            return
+        manifest = self.parts.chain.manifest
+        raise CheckpointError(
+            f"the persist process died and could not be restarted ({MAX_RESTARTS} "
+            "restarts at most); checkpoints after "
+            f"{f'step {manifest.step}' if manifest is not None else 'the start'} reached "
+            f"shared memory only, kept in {job_dir(self.job)}: restart the job on this "
+            "node to resume from them, after fixing the persist process's error (above)")

@@ -102,7 +102,9 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
     manifest = Manifest.load(root, newest_storage) if newest_storage is not None else None
     at_copy = _at_copy(copies, headers, manifest, set(state.flatten()), tracked_kind,
                        state.spec.stems(), meta)
-    at_copy = torch.stack(dist.all_gather(at_copy)).max(dim=0).values
+    # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
+    at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
+    at_copy = at_copy.max(dim=0).values
     cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
     at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
     held = set(state.flatten())

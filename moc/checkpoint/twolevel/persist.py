@@ -2,11 +2,12 @@
 
 A separate process, not a thread of a training process: writing hundreds of MB and
 checksumming them would otherwise contend for the GIL with training. The messages it
-exchanges with the ranks are in `twolevel.protocol`.
+exchanges with the ranks, and why they cannot carry code, are in `twolevel.protocol`.
 
-    serve(job, root, parent_pid)   the persist process (server)
-    PersistClient                  a training rank's end: the process (rank 0 starts it),
-                                   the connection, liveness and timeouts
+    serve(job, root, parent_pid)   the persist process (server); its secret on stdin
+    PersistClient                  a training rank's end: the process (rank 0 starts it,
+                                   and restarts it when it dies), the connection (every
+                                   rank reconnects to a restarted one), liveness, timeouts
 
 For a persist request of step s the process waits until every rank of the node has
 reported its snapshot of s complete, writes each rank's file straight from the shared
@@ -16,6 +17,11 @@ the entries (the previous committed manifest's chain, updated by what was writte
 One persist runs at a time. The process exits when rank 0 (its parent) is gone, without
 committing what it had not finished: a `.tmp` directory is all a crash leaves.
 
+Who may talk to it: only holders of its secret (the HMAC challenge of
+`multiprocessing.connection`), which lives 0600 in the job's 0700 directory; a client
+that fails the challenge, or sends a frame that is not a protocol message, is dropped
+and the process goes on serving the others.
+
 This release runs one node: the persist process is the commit coordinator, since it sees
 every rank's snapshot. (Across nodes, per-node processes would report to a coordinator
 through the job's TCPStore.)
@@ -24,23 +30,31 @@ through the job's TCPStore.)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from queue import Empty, Queue
 
+from moc.checkpoint import codec
+from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.format import write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_dir
 from moc.checkpoint.twolevel.protocol import (
-    AUTHKEY,
+    MAX_MESSAGE_BYTES,
+    MAX_RESTARTS,
     PERSIST_GONE,
     PERSIST_TIMEOUT_S,
+    SECRET_BYTES,
     Done,
     Failed,
     Hello,
@@ -48,7 +62,7 @@ from moc.checkpoint.twolevel.protocol import (
     Ready,
     Stop,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore, job_dir
+from moc.checkpoint.twolevel.slots import SnapshotStore, secure_job_dir, write_private
 
 POLL_S = 0.005
 """How often the persist process looks for missing snapshots and a dead parent."""
@@ -57,13 +71,40 @@ STALL_ENV = "MOC_PERSIST_STALL_S"
 each persist, as a slow or stalled disk would make it."""
 CONNECT_TIMEOUT_S = 60.0
 """How long a rank waits for its node's persist process to listen (it starts in about a
-second: a fresh interpreter importing torch)."""
+second: a fresh interpreter importing torch). Rank 0 stops waiting as soon as the
+process exits."""
 STOP_TIMEOUT_S = 60.0
 """How long close() lets the persist process finish and exit before killing it."""
+_MESSAGES = (Hello, Ready, Failed, Persist, Stop, Done)
 
 
 def socket_path(jdir: Path) -> str:
     return str(jdir / "persist.sock")
+
+
+def secret_path(jdir: Path) -> Path:
+    return jdir / "persist.key"
+
+
+def write_secret(jdir: Path, generation: int) -> bytes:
+    """Rank 0: a new random secret for the persist process of `generation`, stored 0600
+    for the other ranks; returned for the process itself."""
+    secret = secrets.token_bytes(SECRET_BYTES)
+    write_private(secret_path(jdir), json.dumps({"generation": generation,
+                                                 "secret": secret.hex()}))
+    return secret
+
+
+def read_secret(jdir: Path, generation: int | None) -> bytes | None:
+    """The secret of the persist process of `generation` (None: whichever is recorded);
+    None while it is not recorded yet."""
+    try:
+        record = json.loads(secret_path(jdir).read_text())
+    except (OSError, ValueError):
+        return None
+    if generation is not None and record.get("generation") != generation:
+        return None
+    return bytes.fromhex(record["secret"])
 
 
 # -- the client: a training rank's end ---------------------------------------------------
@@ -71,33 +112,70 @@ def socket_path(jdir: Path) -> str:
 
 class PersistClient:
     """A training rank's connection to its node's persist process; rank 0's also owns the
-    process itself (it starts and stops it, and notices when it is gone).
+    process itself (it starts, restarts and stops it, and notices when it is gone).
+
+    `generation` counts the persist processes rank 0 has started in this job (0: the
+    first); a rank other than 0 connects to the one of the generation it is given (None:
+    whichever rank 0 recorded last) and `reconnect`s when rank 0 shares a newer one.
 
     Owners: `send` may be called from the caller's and the snapshot thread (a lock keeps
-    messages whole); `receive`, `alive` and `process` belong to rank 0's thread that
-    holds the engine's plan lock.
+    messages whole); `receive`, `alive`, `process`, `check` and `restart` belong to rank
+    0's thread that holds the engine's plan lock, `reconnect` to a plan.
     """
 
-    def __init__(self, job: str, root: Path, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, job: str, root: Path, rank: int, generation: int | None = None
+                 ) -> None:
+        self.job, self.root, self.rank = job, Path(root), rank
+        self.jdir = secure_job_dir(job)
         self.alive = True
         """Rank 0's view: False once the process is found gone (or hung and killed)."""
         self.process: subprocess.Popen | None = None
-        if rank == 0:
-            # -c rather than -m: the process imports only what serving needs.
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from moc.checkpoint.twolevel.persist "
-                 "import serve; serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
-                 job, str(root), str(os.getpid())])
+        self.generation = 0 if generation is None else generation
+        self.restarts = 0
+        """Rank 0: persist processes started after the first (at most MAX_RESTARTS)."""
         self._lock = threading.Lock()
-        self._conn = _connect(job_dir(job))
-        self.send(Hello(rank))
+        self._conn: Connection | None = None
+        if rank == 0:
+            self._start()
+        else:
+            self._join(generation)
+
+    def _start(self) -> None:
+        """Rank 0: start the persist process of `self.generation` with a new secret and
+        connect to it. Raises CheckpointError within seconds when the process dies
+        before it listens (its own error is on stderr), and never leaves it running
+        when the connection fails."""
+        secret = write_secret(self.jdir, self.generation)
+        # -c rather than -m: the process imports only what serving needs. The secret
+        # goes on stdin: argv and the environment of a process are readable by others.
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from moc.checkpoint.twolevel.persist "
+             "import serve; serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
+             self.job, str(self.root), str(os.getpid())], stdin=subprocess.PIPE)
+        self.process = process
+        try:
+            assert process.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it died: _connect says so
+                process.stdin.write(secret.hex().encode() + b"\n")
+                process.stdin.close()
+            self._conn = _connect(self.jdir, lambda: secret, process)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        self.send(Hello(0))
+
+    def _join(self, generation: int | None) -> None:
+        self._conn = _connect(self.jdir, lambda: read_secret(self.jdir, generation))
+        self.send(Hello(self.rank))
 
     def send(self, msg: object) -> None:
         """Send one message; a dead persist process is not an error here (rank 0
-        notices it in `receive`, and every rank learns it from rank 0)."""
+        notices it in `receive` or `check`, and every rank learns it from rank 0)."""
+        data = codec.encode(msg)
         with self._lock, contextlib.suppress(OSError):
-            self._conn.send(msg)
+            if self._conn is not None:
+                self._conn.send_bytes(data)
 
     def receive(self, step: int, block: bool) -> list[Done]:
         """Rank 0: the results that have arrived while the persist of `step` is in
@@ -105,20 +183,71 @@ class PersistClient:
         connection or a timeout ends the persist as failed (PERSIST_GONE), and a hung
         process is killed: it must never commit late."""
         out: list[Done] = []
-        while block or self._conn.poll():
+        conn = self._conn
+        while conn is not None and (block or conn.poll()):
             try:
-                if not self._conn.poll(PERSIST_TIMEOUT_S):  # blocks until a result
+                if not conn.poll(PERSIST_TIMEOUT_S):  # blocks until a result
                     raise TimeoutError
-                msg = self._conn.recv()
-            except (EOFError, OSError):  # TimeoutError is an OSError
-                msg = Done(step, False, PERSIST_GONE)
-                self.alive = False
-                if self.process is not None:
-                    self.process.kill()
+                msg = codec.decode(conn.recv_bytes(MAX_MESSAGE_BYTES))
+                if not isinstance(msg, Done):
+                    raise codec.CodecError(f"expected a Done, got {type(msg).__name__}")
+            except (EOFError, OSError, codec.CodecError):  # TimeoutError is an OSError
+                msg = self._gone(step)
             out.append(msg)
             if msg.step == step:
                 break
+        if conn is None and block:
+            out.append(self._gone(step))
         return out
+
+    def _gone(self, step: int) -> Done:
+        self.alive = False
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        return Done(step, False, PERSIST_GONE)
+
+    def check(self) -> bool:
+        """Rank 0: whether the persist process is alive, noticing an exit even when no
+        persist is in flight (an idle process can die too). Never blocks."""
+        if self.alive and self.process is not None and self.process.poll() is not None:
+            self.alive = False
+        return self.alive
+
+    def restart(self) -> bool:
+        """Rank 0: start a new persist process (generation + 1, a new secret) after the
+        last one died; False when MAX_RESTARTS are used up or it would not start. The
+        other ranks `reconnect` when they learn the generation (at the next plan)."""
+        if self.alive:
+            return True
+        while self.restarts < MAX_RESTARTS:
+            self.restarts += 1
+            self._close()
+            if self.process is not None and self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.generation += 1
+            try:
+                self._start()
+            except CheckpointError as e:
+                print(f"moc: restart {self.restarts} of the persist process failed: {e}",
+                      file=sys.stderr)
+                continue
+            self.alive = True
+            return True
+        return False
+
+    def reconnect(self, generation: int) -> None:
+        """A rank other than 0: connect to rank 0's new persist process of `generation`."""
+        self._close()
+        self._join(generation)
+        self.generation = generation
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def stop(self) -> None:
         """Rank 0: ask the process to stop and wait for it (killing it after
@@ -133,42 +262,68 @@ class PersistClient:
                         self.process.kill()
                         self.process.wait()
         finally:
-            self._conn.close()
+            self._close()
 
 
-def _connect(jdir: Path, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+def _connect(jdir: Path, secret: Callable[[], bytes | None],
+             process: subprocess.Popen | None = None) -> Connection:
+    """Connect to the job's persist process, retrying while it starts (no socket yet, no
+    secret recorded yet, or a secret of an older process). `process` (rank 0): stop as
+    soon as it has exited. Raises CheckpointError with what to do."""
+    path = socket_path(jdir)
+    timeout_s = CONNECT_TIMEOUT_S
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            return Client(socket_path(jdir), family="AF_UNIX", authkey=AUTHKEY)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+        if process is not None and process.poll() is not None:
+            raise CheckpointError(
+                f"the persist process exited with code {process.returncode} before it "
+                f"listened on {path} (its error is above, on this job's stderr); "
+                "checkpoints cannot reach storage: fix that error and restart the job")
+        key = secret()
+        if key is not None:
+            try:
+                return Client(path, family="AF_UNIX", authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError, AuthenticationError):
+                pass
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"no persist process answered on {path} within {timeout_s:.0f} s; rank 0 "
+                "starts it: look for rank 0's error, or a second job using the same "
+                "checkpoint directory")
+        time.sleep(0.05)
 
 
 # -- the server: the persist process -----------------------------------------------------
 
 
-def serve(job: str, root: str, parent_pid: int) -> None:
-    """Entry point of the persist process."""
+def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:
+    """Entry point of the persist process; `secret` (None: the first line of stdin, as
+    hex, where rank 0 writes it) authenticates every connection."""
     from moc.checkpoint.twolevel.worker import BACKGROUND_NICE
 
+    if secret is None:
+        secret = bytes.fromhex(sys.stdin.readline().strip())
     os.nice(BACKGROUND_NICE)  # training first; persisting only bounds checkpoint frequency
-    jdir = job_dir(job)
-    jdir.mkdir(parents=True, exist_ok=True)
+    jdir = secure_job_dir(job)
     path = socket_path(jdir)
-    if os.path.exists(path):
+    if os.path.lexists(path):
         os.unlink(path)
-    listener = Listener(path, family="AF_UNIX", authkey=AUTHKEY)
+    listener = Listener(path, family="AF_UNIX", authkey=secret)
     inbox: Queue = Queue()
     rank0: list[Connection] = []
 
     def read(conn: Connection) -> None:
         while True:
             try:
-                msg = conn.recv()
+                msg = codec.decode(conn.recv_bytes(MAX_MESSAGE_BYTES))
+                if not isinstance(msg, _MESSAGES):
+                    raise codec.CodecError(f"not a protocol message: {type(msg).__name__}")
             except (EOFError, OSError):
+                return
+            except codec.CodecError as e:
+                # Not one of ours (or a bug): drop this client, keep serving the others.
+                print(f"moc persist: dropped a connection that sent {e}", file=sys.stderr)
+                conn.close()
                 return
             if isinstance(msg, Hello) and msg.rank == 0:
                 rank0.append(conn)
@@ -177,7 +332,9 @@ def serve(job: str, root: str, parent_pid: int) -> None:
     def accept() -> None:
         while True:
             try:
-                conn = listener.accept()
+                conn = listener.accept()  # runs the HMAC challenge both ways
+            except (AuthenticationError, EOFError, ConnectionError):
+                continue  # a client without the secret (or gone mid-handshake)
             except OSError:
                 return
             threading.Thread(target=read, args=(conn,), daemon=True).start()
@@ -218,7 +375,7 @@ def serve(job: str, root: str, parent_pid: int) -> None:
             failed.pop(old)
         if rank0:
             try:
-                rank0[0].send(result)
+                rank0[0].send_bytes(codec.encode(result))
             except OSError:
                 return
 
@@ -241,6 +398,8 @@ def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid
     try:
         sizes = _persist(job, root, req, ready, parent_pid)
         return Done(req.step, True, None, time.perf_counter() - t0, sizes)
+    except OSError as e:  # the storage's problem, described by `_persist`: no traceback
+        return Done(req.step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
     except Exception as e:
         return Done(req.step, False,
                     f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}",
@@ -267,8 +426,14 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent
         tensors = store.read(snap.slot, header, verify=False)
         name = rank_file(rank)
         path = tmp_dir(root, req.step) / name
-        records = write_safetensors(path, {k: tensors[k] for k in snap.write},
-                                    crcs={k: header.entries[k].crc32 for k in snap.write})
+        chosen = {k: tensors[k] for k in snap.write}
+        try:
+            records = write_safetensors(path, chosen,
+                                        crcs={k: header.entries[k].crc32 for k in snap.write})
+        except OSError as e:
+            nbytes = sum(t.numel() * t.element_size() for t in chosen.values())
+            raise _storage_error(e, f"could not write {path} ({nbytes} bytes of rank "
+                                    f"{rank}'s tensors)") from None
         files[name] = path.stat().st_size
         entries.update({k: Entry(req.step, name, r.dtype, r.shape, r.crc32)
                         for k, r in records.items()})
@@ -282,5 +447,17 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent
         raise RuntimeError(f"step {req.step}: {len(missing)} keys neither written nor in "
                            f"step {req.prev_step}, e.g. {sorted(missing)[:3]}")
     manifest = Manifest(entries=all_entries, files=files, **req.template)
-    commit_step(root, req.step, manifest.to_json())
+    text = manifest.to_json()
+    try:
+        commit_step(root, req.step, text)
+    except OSError as e:
+        raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
+                                f"of {len(text.encode())} bytes)") from None
     return [files.get(rank_file(r), 0) for r in range(req.world_size)]
+
+
+def _storage_error(e: OSError, what: str) -> OSError:
+    """`e` with what was being written: `[Errno 28]` alone names neither file nor size."""
+    return OSError(e.errno, f"{what}: {e.strerror or e}; free space on the checkpoint "
+                            "file system (or keep fewer checkpoints: --keep-last); the next "
+                            "checkpoint retries")

@@ -9,6 +9,13 @@ into which slot, and what is persisted.
 
 Every rank runs the same plans in the same order, so the collective inside pairs up and
 every rank takes the same decisions (the persist results it acts on are rank 0's).
+
+A dead persist process: rank 0 notices it before the exchange, reports the persist it
+lost as failed and starts a new one (`_revive`); the exchange carries the new process's
+generation, and every other rank reconnects to it right after (`_follow`), before this
+plan's snapshot reports Ready. Nothing of the lost step was committed, so the chain goes
+on from the last committed manifest: the chain's rotation only advances on a commit, and
+the next persist writes the experts the lost one would have.
 """
 
 from __future__ import annotations
@@ -143,11 +150,14 @@ class SnapshotPlanner:
         checkpoint (returned). `block`: first wait for the persist in flight."""
         if self.groups.rank == 0:
             self._receive(block)
-        share = (self._unshared, self.in_flight, self.persist_alive, self.choice, self._error)
+            self._revive()
+        share = (self._unshared, self.in_flight, self.persist_alive, self.client.generation,
+                 self.choice, self._error)
         summed = None
         if counts is not None:
             summed = torch.cat([counts.flatten(), torch.tensor([int(rejected)])])
-        done, in_flight, alive, choice, error = self.dist.exchange(share, summed)
+        done, in_flight, alive, generation, choice, error = self.dist.exchange(share, summed)
+        self._follow(generation)
         self._unshared, self.choice, self._error = [], None, None
         self.shared_error = self.shared_error or error
         n_rejected = 0
@@ -174,6 +184,26 @@ class SnapshotPlanner:
         fatal = self.failures.check(step, error, step in self.final_steps)
         self.final_steps.discard(step)
         self.fatal = self.fatal or fatal
+
+    def _revive(self) -> None:
+        """Rank 0, before an exchange: notice a dead persist process even when nothing
+        is in flight (an idle one can die too), report the persist it took with it as
+        failed, and start a new one (bounded: `PersistClient.restart`)."""
+        if self.client.check():
+            return
+        if self.in_flight is not None:
+            lost = Done(self.in_flight, False, PERSIST_GONE)
+            self._unshared.append(lost)
+            self.reports.put(lost)
+            self.in_flight = None
+        self.client.restart()
+        self.persist_alive = self.client.alive
+
+    def _follow(self, generation: int) -> None:
+        """Every rank but 0: connect to rank 0's new persist process when the exchange
+        says it started one. Blocks (seconds at most: it is listening already)."""
+        if self.groups.rank != 0 and generation != self.client.generation:
+            self.client.reconnect(generation)
 
     def take_error(self) -> str | None:
         """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last

@@ -1,8 +1,17 @@
 """The messages between the training ranks of a node and its persist process.
 
-One Unix socket per job (`<job dir>/persist.sock`); each training rank holds one
-connection; messages are these frozen dataclasses, pickled by
-`multiprocessing.connection` (authenticated by AUTHKEY).
+One Unix socket per job (`<job dir>/persist.sock`, in the job's 0700 directory); each
+training rank holds one connection; messages are these frozen dataclasses.
+
+Wire format (why it cannot run code): `multiprocessing.connection` frames the bytes and
+authenticates both ends with its HMAC challenge, keyed by a random secret of this
+persist process (`persist.key`, 0600 in the job directory: written by rank 0 before it
+starts the process, handed to the process on its stdin, read by the other ranks). The
+payload of each frame is `moc.checkpoint.codec`'s JSON, never a pickle
+(`send_bytes`/`recv_bytes`, never `send`/`recv`): a message can only decode to plain
+data and to the classes below, and anything else is refused. The secret is regenerated
+each time rank 0 starts a persist process (`generation`), so a process that read an
+older one cannot speak to the new one.
 
     rank r -> persist    Hello(rank)                  once, after connecting
     rank r -> persist    Ready(rank, step, slot, write, held)
@@ -25,8 +34,11 @@ one persist at a time, in the order of the Persist requests, and answers each wi
 Done. Ready and Failed messages of steps older than the one just finished are dropped.
 
 Liveness: the persist process exits, committing nothing more, when rank 0 (its parent) is
-gone; rank 0 reads a closed connection, or no Done within PERSIST_TIMEOUT_S of a persist
-it must wait for, as the persist process being gone (`PERSIST_GONE`).
+gone; rank 0 reads a closed connection, an exited process, or no Done within
+PERSIST_TIMEOUT_S of a persist it must wait for, as the persist process being gone
+(`PERSIST_GONE`). Rank 0 then starts a new one (at most `MAX_RESTARTS` per job) with a
+new secret and generation, shares the generation with every rank at the next plan, and
+every rank reconnects before that plan's snapshot reports Ready.
 """
 
 from __future__ import annotations
@@ -34,7 +46,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-AUTHKEY = b"moc-persist"
+SECRET_BYTES = 32
+"""Length of a persist process's random secret (its HMAC key)."""
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest frame either end accepts: a Persist's template names every key."""
+MAX_RESTARTS = 3
+"""How many times rank 0 starts a new persist process after one died, per job: a crash
+of the process (a bug, an OOM kill) should not end durable checkpointing, but one that
+keeps dying is a fault to report (`close()` raises), not to retry forever."""
 PERSIST_GONE = "the persist process exited; checkpoints are kept in memory only"
 PERSIST_TIMEOUT_S = 600.0
 """How long rank 0 waits for a persist that must finish (wait policy, flush, close)

@@ -15,6 +15,13 @@ once warm.
 
 The copy is run by the snapshot worker (`twolevel.worker`) on a background thread;
 this module only owns the slots: their files, mappings and headers.
+
+Trust: whatever is in a job's directory is loaded into the model (snapshots) and names
+the persist process's socket and secret, so only this user may be able to write there.
+Directories are created 0700 and files 0600; a directory that already exists is used
+only if it is a real directory (not a symbolic link), owned by this user and not
+writable by group or others (`secure_dir`), and files are opened without following
+symbolic links. See docs/THREAT_MODEL.md.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 import zlib
 from dataclasses import dataclass
@@ -53,6 +61,59 @@ _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
 
 def job_dir(job: str) -> Path:
     return shm_root() / f"moc-{job}"
+
+
+def secure_dir(path: Path) -> Path:
+    """`path` as a directory only this user can write: created 0700, or, when it exists,
+    checked to be one. Raises CheckpointError naming the path, what is wrong and what to
+    do: a directory planted by another user must never be adopted (its files would be
+    loaded as snapshots, its socket spoken to as the persist process)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)  # lstat: a symbolic link is judged, not followed
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem is not None:
+        raise CheckpointError(
+            f"refusing the snapshot directory {path}: it {problem}, so another user could "
+            "plant snapshots this job would load or impersonate its persist process; "
+            f"remove it if it is a stale one of yours (rm -rf {path}), or point "
+            "MOC_SHM_ROOT at a directory only you can write")
+    return path
+
+
+def secure_job_dir(job: str) -> Path:
+    """This job's directory, created or checked by `secure_dir`; its root (/dev/shm or
+    $MOC_SHM_ROOT) must not let others replace it: not writable by others unless sticky
+    (as /dev/shm is: 1777, where only an entry's owner may remove or rename it)."""
+    root = shm_root()
+    root.mkdir(parents=True, exist_ok=True)
+    st = root.stat()
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise CheckpointError(
+            f"refusing the shared-memory root {root}: anyone may write it and it is not "
+            f"sticky (mode {stat.S_IMODE(st.st_mode):o}), so another user could replace "
+            "this job's snapshot directory; point MOC_SHM_ROOT at a directory only you "
+            "can write, or chmod +t it")
+    return secure_dir(job_dir(job))
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write a file only this user can read (0600), atomically (a temporary file, then a
+    rename), never through a symbolic link planted at the temporary name."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    tmp.rename(path)
 
 
 def default_job_id(ckpt_dir: str | Path) -> str:
@@ -101,8 +162,10 @@ class SnapshotStore:
     the rank after a restart."""
 
     def __init__(self, job: str, rank: int) -> None:
+        self.job = job
         self.dir = job_dir(job) / f"rank-{rank:05d}"
         self.rank = rank
+        self._checked = False  # the directories passed `secure_dir` (see `_secure`)
         self._maps: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
         self._reserved = -1  # the slot size every free slot has been reserved at
@@ -127,10 +190,10 @@ class SnapshotStore:
         buf = self._maps.get(slot)
         if buf is None or buf.numel() != size:
             self._unmap(slot)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._secure(create=True)
             path = self.bin_path(slot)
             if allocate and (not path.exists() or path.stat().st_size != size):
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                 try:
                     os.ftruncate(fd, size)
                     if size:
@@ -151,6 +214,18 @@ class SnapshotStore:
         if buf is not None and slot in self._pinned:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
         self._pinned.discard(slot)
+
+    def _secure(self, create: bool) -> bool:
+        """Check (once) that the job's and this rank's directories are this user's
+        alone, creating them if `create`; False when they do not exist (and not
+        `create`): there is nothing to read."""
+        if not self._checked:
+            if not create and not self.dir.exists():
+                return False
+            secure_job_dir(self.job)
+            secure_dir(self.dir)
+            self._checked = True
+        return True
 
     def release(self) -> None:
         """Drop every mapping (and its pinned registration); the files stay."""
@@ -175,7 +250,9 @@ class SnapshotStore:
 
     def headers(self) -> dict[int, SnapshotHeader]:
         """Complete snapshots by slot (a slot without a readable header is not one)."""
-        out = {}
+        out: dict[int, SnapshotHeader] = {}
+        if not self._secure(create=False):
+            return out
         for slot in range(N_SLOTS):
             try:
                 out[slot] = SnapshotHeader.from_json(self.header_path(slot).read_text())
@@ -210,9 +287,7 @@ class SnapshotStore:
             entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
                                      tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
         header = SnapshotHeader(step, entries, meta)
-        tmp = self.header_path(slot).with_suffix(".json.tmp")
-        tmp.write_text(header.to_json())
-        tmp.rename(self.header_path(slot))  # the snapshot is complete from here on
+        write_private(self.header_path(slot), header.to_json())  # complete from here on
         self._reserve_free_slots(size)
         return header
 
@@ -257,6 +332,7 @@ class SnapshotStore:
     def read(self, slot: int, header: SnapshotHeader, verify: bool = True
              ) -> dict[str, torch.Tensor]:
         """Views of a complete snapshot's tensors (checked against their CRC32)."""
+        self._secure(create=False)
         size = self.bin_path(slot).stat().st_size
         buf = self._map(slot, size)
         out = {}
@@ -273,13 +349,13 @@ class SnapshotStore:
 
 def claim_job(job: str) -> Path:
     """Rank 0, at the start of a job: remove the snapshot directories of dead jobs, create
-    this job's and record its owner: the process whose life the snapshots belong to,
-    which under torchrun is the agent (it outlives restarts of the workers)."""
+    this job's (or check the one a restart finds: `secure_job_dir`) and record its owner:
+    the process whose life the snapshots belong to, which under torchrun is the agent (it
+    outlives restarts of the workers)."""
+    jdir = secure_job_dir(job)
     remove_stale_jobs(keep=job)
-    jdir = job_dir(job)
-    jdir.mkdir(parents=True, exist_ok=True)
     owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-    (jdir / "owner.pid").write_text(str(owner))
+    write_private(jdir / "owner.pid", str(owner))
     return jdir
 
 
@@ -289,10 +365,14 @@ def remove_job(job: str) -> None:
 
 def remove_stale_jobs(keep: str) -> list[Path]:
     """Delete snapshot directories of jobs whose owner process is gone (a finished or
-    abandoned job). `keep` (this job) is never touched: it may be our recovery source."""
+    abandoned job). `keep` (this job) is never touched: it may be our recovery source,
+    nor is a directory of another user or a symbolic link: not ours to judge."""
     removed = []
     for d in shm_root().glob("moc-*"):
         if d.name == f"moc-{keep}":
+            continue
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
         try:
             pid = int((d / "owner.pid").read_text())

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import pytest
 import torch
 
+from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps, step_dir
 from moc.checkpoint.tools import verify_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.protocol import PERSIST_GONE
 from moc.checkpoint.twolevel.slots import job_dir
 from moc.model import ModelConfig, Transformer
 
@@ -101,15 +105,8 @@ def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypa
     assert complete_steps(tmp_path / "ckpt") == [1, 2]
 
 
-def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tmp_path):
-    import os
-    import signal
-
-    from moc.checkpoint.twolevel.protocol import PERSIST_GONE
-
-    root = tmp_path / "ckpt"
-    model, opt = _build(0)
-    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+def _kill_persist_after_step_1(model, opt, ckpt) -> list:
+    """Train steps 1-2, SIGKILL the persist process, train steps 3-5; the records."""
     records = _train(model, opt, ckpt, 2)
     # "wait": step 2's snapshot waits for step 1's persist, so once it is taken step 1
     # is persisted.
@@ -118,12 +115,42 @@ def test_when_the_persist_process_dies_training_goes_on_with_memory_snapshots(tm
     ckpt.persist.process.wait()
     records += _train(model, opt, ckpt, 3, start=3)
     ckpt.flush()
-    records += ckpt.drain_completed()
-    ckpt.close(keep_snapshots=True)
-    by_step = {r.step: r for r in records}
-    assert by_step[1].error is None  # step 2's persist may have been running when killed
+    return records + ckpt.drain_completed()
+
+
+def test_a_killed_persist_process_is_restarted_and_the_chain_goes_on(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, policy=PECPolicy(k=1), interval=1,
+                                persist_policy="wait")
+    first = ckpt.persist.process
+    by_step = {r.step: r for r in _kill_persist_after_step_1(model, opt, ckpt)}
+    ckpt.close()
+    assert by_step[1].error is None
+    assert by_step[2].error in (None, PERSIST_GONE)  # its persist may have been killed
+    assert all(by_step[s].error is None for s in (3, 4, 5))
+    assert ckpt.persist.process is not first and ckpt.persist.generation == 1
+    # A lost step 2 left no gap: step 3 chains from step 1 and writes what 2 would have.
+    assert complete_steps(root)[-3:] == [3, 4, 5] and verify_checkpoints(root).ok
+    assert not job_dir(ckpt.job).exists()  # everything durable: the memory is released
+
+
+def test_a_persist_process_that_cannot_be_restarted_fails_the_job_but_keeps_memory(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.MAX_RESTARTS", 0)
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    by_step = {r.step: r for r in _kill_persist_after_step_1(model, opt, ckpt)}
+    # Training went on with memory snapshots, each reported as not persisted ...
+    assert by_step[1].error is None
     assert all(by_step[s].error == PERSIST_GONE for s in (3, 4, 5))
+    # ... but the job does not end as a success, nor delete the only copies.
+    with pytest.raises(CheckpointError, match=r"could not be restarted.*after step [12] "
+                                              r"reached shared memory only, kept in .*moc-"):
+        ckpt.close()
     assert complete_steps(root) in ([1], [1, 2])
+    assert job_dir(ckpt.job).exists()
     resumed = TwoLevelCheckpointer(*_build(1), root)
     report = resumed.restore()
     resumed.close()

@@ -210,3 +210,66 @@ def test_an_error_of_rank_0s_background_work_is_raised_on_every_rank(tmp_path):
     step, message = results[0][0]
     assert isinstance(step, int) and "deleting old checkpoints" in message
     assert "No space left on device" in message
+
+
+def _kill_persist_mid_run(rank: int, world: int, root: str) -> dict:
+    import os
+    import signal
+
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    records = []
+    for step in range(1, 7):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        if step == 3 and rank == 0:  # step 3's persist (or step 2's) dies with it
+            os.kill(ckpt.persist.process.pid, signal.SIGKILL)
+        records += ckpt.drain_completed()
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    return {"errors": {r.step: r.error for r in records}, "generation": ckpt.persist.generation}
+
+
+def test_a_killed_persist_process_is_restarted_and_every_rank_reconnects(tmp_path):
+    from moc.checkpoint.store.steps import complete_steps
+    from moc.checkpoint.tools import verify_checkpoints
+
+    root = tmp_path / "ckpt"
+    results = run_ranks(_kill_persist_mid_run, 2, str(root))
+    assert [r["generation"] for r in results] == [1, 1]  # both speak to the new process
+    errors = results[0]["errors"]
+    assert all(errors[s] is None for s in (1, 5, 6)), errors
+    assert complete_steps(root)[-2:] == [5, 6] and verify_checkpoints(root).ok
+
+
+def _start_with_a_dead_persist(rank: int, world: int, root: str, broken: str) -> str:
+    import os
+
+    from moc.checkpoint.errors import CheckpointError
+
+    os.environ["PYTHONPATH"] = broken  # for the persist process rank 0 starts
+    groups, model, opt = build_sharded(1)
+    try:
+        TwoLevelCheckpointer(model, opt, root, groups=groups)
+    except CheckpointError as e:
+        return str(e)
+    return "started"
+
+
+def test_a_persist_process_dead_at_start_fails_every_rank_with_rank_0s_error(tmp_path):
+    pkg = tmp_path / "broken" / "torch"  # shadows torch in the persist process only
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise SystemExit(3)")
+    results = run_ranks(_start_with_a_dead_persist, 2, str(tmp_path / "ckpt"),
+                        str(tmp_path / "broken"))
+    assert results[0] == results[1]
+    assert results[0].startswith("the persist process exited with code 3 before it listened")

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import pytest
 import torch
 
+from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.tools import verify_checkpoints
-from moc.checkpoint.twolevel.persist import PersistClient
+from moc.checkpoint.twolevel.persist import (
+    PersistClient,
+    read_secret,
+    secret_path,
+    socket_path,
+)
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Failed, Persist, Ready
 from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir
 
@@ -101,3 +110,97 @@ def test_the_process_stops_when_asked_and_leaves_the_job_dir_to_its_owner(tmp_pa
     client.stop()
     assert client.process.returncode == 0
     assert (job_dir(JOB) / "owner.pid").read_text() == str(os.getpid())
+
+
+# -- who may talk to the persist process (docs/THREAT_MODEL.md) ------------------------
+
+
+class _Marker:
+    """Unpickling this creates a file: the test of whether a payload ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickle_sent_to_the_persist_process_never_runs_and_it_keeps_serving(clients,
+                                                                              tmp_path):
+    marker = tmp_path / "pwned"
+    # Even a client holding the secret (the worst case) cannot make it unpickle.
+    evil = Client(socket_path(job_dir(JOB)), family="AF_UNIX",
+                  authkey=read_secret(job_dir(JOB), None))
+    evil.send(_Marker(str(marker)))  # send(): a pickle, as the old protocol spoke
+    with pytest.raises(EOFError):
+        evil.recv_bytes()  # dropped
+    # Without the secret, the handshake fails and nothing is read at all.
+    with pytest.raises(AuthenticationError):
+        Client(socket_path(job_dir(JOB)), family="AF_UNIX", authkey=b"guessed")
+    test_a_step_is_committed_once_every_rank_reported_its_snapshot(clients, tmp_path)
+    assert not marker.exists()
+
+
+def test_the_secret_is_new_for_each_process_and_only_this_users(tmp_path):
+    claim_job(JOB)
+    secrets = []
+    for _ in range(2):
+        client = PersistClient(JOB, tmp_path / "ckpt", 0)
+        secrets.append(read_secret(job_dir(JOB), None))
+        assert stat.S_IMODE(secret_path(job_dir(JOB)).stat().st_mode) == 0o600
+        client.stop()
+    assert secrets[0] != secrets[1] and len(secrets[0]) == 32
+
+
+def _broken_torch(tmp_path, body: str) -> str:
+    """A PYTHONPATH entry whose `torch` shadows the real one for processes started with
+    it (this one has imported torch already): a persist process that dies, or hangs,
+    before it listens."""
+    pkg = tmp_path / "broken" / "torch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(body)
+    return str(tmp_path / "broken")
+
+
+def test_a_persist_process_dead_at_start_is_one_clear_error(tmp_path, monkeypatch):
+    claim_job(JOB)
+    monkeypatch.setenv("PYTHONPATH", _broken_torch(tmp_path, "raise SystemExit(3)"))
+    with pytest.raises(CheckpointError, match=r"persist process exited with code 3 before "
+                                              r"it listened on .*persist.sock"):
+        PersistClient(JOB, tmp_path / "ckpt", 0)
+
+
+def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, monkeypatch):
+    claim_job(JOB)
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("PYTHONPATH", _broken_torch(
+        tmp_path, f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+                  "time.sleep(600)\n"))
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.CONNECT_TIMEOUT_S", 2.0)
+    with pytest.raises(CheckpointError, match=r"no persist process answered on .* within 2 s"):
+        PersistClient(JOB, tmp_path / "ckpt", 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)  # killed and reaped
+
+
+def test_a_full_disk_names_the_file_and_the_bytes(tmp_path, monkeypatch):
+    """The persist's writer, wrapped to fail as a full disk does: the error says which
+    file, how many bytes and what to do, not only `[Errno 28]`."""
+    from moc.checkpoint.twolevel import persist
+
+    def full_disk(path, tensors, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist, "write_safetensors", full_disk)
+    claim_job(JOB)
+    state = _snapshot(0, 5, 0)
+    ready = {0: Ready(0, 5, 0, list(state), list(state))}
+    template = {**_template(5), "layout": {"world_size": 1, "ep": 1}}
+    done = persist._run(JOB, tmp_path / "ckpt", Persist(5, None, template, 1), ready,
+                        os.getpid())
+    assert not done.ok
+    assert done.error == (
+        f"OSError: [Errno 28] could not write {tmp_path}/ckpt/step-00000005.tmp/"
+        "rank-00000.safetensors (48 bytes of rank 0's tensors): No space left on device; "
+        "free space on the checkpoint file system (or keep fewer checkpoints: "
+        "--keep-last); the next checkpoint retries")

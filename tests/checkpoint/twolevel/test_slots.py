@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.slots import SnapshotStore, job_dir, remove_stale_jobs
+from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, remove_stale_jobs
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -90,3 +91,61 @@ def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
     monkeypatch.setattr("os.posix_fallocate", no_space)
     with pytest.raises(CheckpointError, match=r"cannot reserve .* shared memory"):
         SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(1000)}, {})
+
+
+# -- who may write the job's directory (docs/THREAT_MODEL.md) --------------------------
+
+
+def test_a_new_job_directory_and_its_files_are_this_users_alone():
+    claim_job("mine")
+    SnapshotStore("mine", 0).write(0, 1, {"w": torch.ones(3)}, {})
+    jdir = job_dir("mine")
+    assert stat.S_IMODE(jdir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((jdir / "rank-00000").stat().st_mode) == 0o700
+    for f in ("owner.pid", "rank-00000/slot-0.bin", "rank-00000/slot-0.json"):
+        assert stat.S_IMODE((jdir / f).stat().st_mode) == 0o600, f
+
+
+def _plant(how: str, tmp_path) -> None:
+    jdir = job_dir("planted")
+    jdir.parent.mkdir(parents=True, exist_ok=True)
+    if how == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        jdir.symlink_to(tmp_path / "elsewhere")
+        return
+    jdir.mkdir()
+    if how == "writable":
+        jdir.chmod(0o777)
+    elif how == "foreign":
+        os.chown(jdir, 65534, 65534)  # nobody
+        jdir.chmod(0o700)
+
+
+@pytest.mark.parametrize(("how", "problem"), [
+    ("writable", r"is writable by group or others \(mode 777\)"),
+    ("symlink", r"is a symbolic link"),
+    pytest.param("foreign", r"is owned by uid 65534, not by this user", marks=pytest.mark.skipif(
+        os.getuid() != 0, reason="planting another user's directory needs root")),
+])
+def test_a_planted_job_directory_is_refused_by_every_process_that_uses_it(tmp_path, how,
+                                                                          problem):
+    _plant(how, tmp_path)
+    pattern = rf"refusing the snapshot directory .*moc-planted: it {problem}.*rm -rf"
+    with pytest.raises(CheckpointError, match=pattern):
+        claim_job("planted")  # rank 0
+    with pytest.raises(CheckpointError, match=pattern):
+        SnapshotStore("planted", 1).write(0, 1, {"w": torch.ones(3)}, {})  # a writer
+    (job_dir("planted") / "rank-00001").mkdir(exist_ok=True)
+    with pytest.raises(CheckpointError, match=pattern):
+        SnapshotStore("planted", 1).headers()  # a reader (restore, the persist process)
+
+
+def test_a_world_writable_shm_root_without_the_sticky_bit_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "loose"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setenv("MOC_SHM_ROOT", str(root))
+    with pytest.raises(CheckpointError, match=r"shared-memory root .*loose: anyone may write"):
+        claim_job("job")
+    root.chmod(0o1777)  # as /dev/shm: sticky
+    claim_job("job")
