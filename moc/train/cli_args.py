@@ -58,8 +58,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-every", type=int, help="SIGKILL --fault-rank at every multiple "
                    "of this many steps (needs --max-restarts of at least steps / F)")
     p.add_argument("--fault-rank", type=int, default=0)
-    p.add_argument("--fault-kind", choices=["process", "node"], default="process",
-                   help="node: also wipe the node's shared-memory snapshots (a node loss)")
+    p.add_argument("--fault-kind", choices=["process", "node", "persist"], default="process",
+                   help="node: also wipe the node's shared-memory snapshots (a node loss); "
+                        "persist: SIGKILL rank 0's persist process instead (--ckpt-mode moc)")
 
 
 def parse_k(value: str | None) -> int | None:

@@ -37,7 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 CKPT_MODES = ("none", "blocking", "pec", "moc", "dcp-sync", "dcp-async")
-FAULT_KINDS = ("process", "node")
+FAULT_KINDS = ("process", "node", "persist")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class TrainConfig:
     attempt at step F, the restart after it at 2F, ...): a run with recurring faults."""
     fault_rank: int = 0
     fault_kind: str = "process"
-    """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots."""
+    """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots;
+    persist: SIGKILL rank 0's persist process (two-level mode only), the ranks live on."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ckpt_interval", "eval_batches"):
@@ -137,6 +138,10 @@ class TrainConfig:
             raise ValueError(f"--persist-policy must be skip or wait, got {self.persist_policy!r}")
         if self.fault_rank < 0:
             raise ValueError(f"--fault-rank must be >= 0, got {self.fault_rank}")
+        if self.fault_kind == "persist" and (self.ckpt_mode != "moc" or self.fault_rank != 0):
+            raise ValueError("--fault-kind persist kills rank 0's persist process: it needs "
+                             f"--ckpt-mode moc and --fault-rank 0, got --ckpt-mode "
+                             f"{self.ckpt_mode} --fault-rank {self.fault_rank}")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:

@@ -70,14 +70,18 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter
-                       ) -> None:
+def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
+                       checkpointer: Any = None) -> None:
     """SIGKILL this process on `--fault-rank` at `--fault-at` on the first attempt only
     (a restarted job must get past the step that killed it), or with `--fault-every F` at
     step (r + 1) F on attempt r: each restart resumes before its attempt's fault step and
     meets the next one F steps later. A node fault also wipes the node's shared-memory
-    snapshots, as losing the machine would."""
-    if cfg.fault_every is not None:
+    snapshots, as losing the machine would. A persist fault SIGKILLs rank 0's persist
+    process instead (the training ranks live on), at every multiple of F with
+    `--fault-every`: more often than it may be restarted."""
+    if cfg.fault_every is not None and cfg.fault_kind == "persist":
+        due = step % cfg.fault_every == 0
+    elif cfg.fault_every is not None:
         due = step == (restart_count() + 1) * cfg.fault_every
     else:
         due = cfg.fault_at == step and restart_count() == 0
@@ -85,6 +89,11 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
         return
     # Logged by rank 0 (the only metrics writer) whichever rank the fault kills.
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
+    if cfg.fault_kind == "persist":
+        process = getattr(getattr(checkpointer, "persist", None), "process", None)
+        if process is not None and process.poll() is None:  # rank 0 owns the process
+            os.kill(process.pid, signal.SIGKILL)
+        return
     if cfg.fault_rank == rank:
         metrics.close()
         if cfg.fault_kind == "node" and cfg.ckpt_dir is not None:
@@ -242,7 +251,7 @@ class Trainer:
         self.model.train()
         while self.step < cfg.steps:
             self.step += 1
-            maybe_inject_fault(cfg, self.step, self.rank, self.metrics)
+            maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
             # Nothing checkpoint-related is built on steps that do not checkpoint.

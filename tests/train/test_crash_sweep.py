@@ -9,12 +9,18 @@ a persist or a commit), and then checks:
     3. restarting the job recovers (from memory or storage) and every loss it logs from
        there on equals the uninterrupted run's.
 Run with `make test-slow` (about 9 minutes on 2 cores).
+
+The persist process is also killed on purpose (`--fault-kind persist`): once, after
+which it is restarted and every later checkpoint is durable; and more often than it may
+be restarted, after which the job must end non-zero.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,6 +103,11 @@ def test_a_kill_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
                 killed = pid
         time.sleep(0.01)
     job.wait(timeout=240)
+    if target == "persist" and killed is not None:
+        # The persist process is restarted: checkpoints reach storage again after the
+        # kill, or the job says it failed; never a success with its checkpoints in memory.
+        steps = complete_steps(tmp_path / "ckpt")
+        assert job.returncode != 0 or (steps and steps[-1] > kill_step), (kill_step, steps)
 
     # 1. What is on disk verifies.
     verify = subprocess.run([sys.executable, "-m", "moc", "verify", str(tmp_path / "ckpt")],
@@ -118,3 +129,33 @@ def test_a_kill_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
     for step, loss in losses:
         assert loss == ref_losses[step], (target, kill_step, step)
     assert max(step for step, _ in losses) == STEPS
+
+
+def test_a_killed_persist_process_is_restarted_and_every_later_checkpoint_is_durable(
+        tmp_path, reference):
+    r = subprocess.run([*_args(tmp_path), "--persist-policy", "wait", "--fault-kind",
+                        "persist", "--fault-at", "7"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = complete_steps(tmp_path / "ckpt")
+    # Only the persist in flight at the kill (step 6's) may be lost.
+    assert set(range(2, STEPS + 1, 2)) - set(steps) <= {6}, steps
+    ref_root = reference / "ckpt"
+    got = CheckpointReader(tmp_path / "ckpt", Manifest.load(tmp_path / "ckpt", STEPS))
+    want = CheckpointReader(ref_root, Manifest.load(ref_root, STEPS))
+    for key in want.manifest.entries:
+        if not key.startswith("rng/"):
+            assert got.get(key).equal(want.get(key)), key
+
+
+def test_a_persist_process_killed_more_often_than_it_may_restart_fails_the_job(tmp_path):
+    r = subprocess.run([*_args(tmp_path), "--persist-policy", "wait", "--fault-kind",
+                        "persist", "--fault-every", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "the persist process died and could not be restarted" in r.stderr
+    kept = Path(re.search(r"reached shared memory only, kept in (\S+):", r.stderr)[1])
+    try:
+        assert any(kept.glob("rank-*/slot-*.json"))  # the snapshots, for a restart
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)

@@ -54,7 +54,7 @@ MAX_RESTARTS = 3
 """How many times rank 0 starts a new persist process after one died, per job: a crash
 of the process (a bug, an OOM kill) should not end durable checkpointing, but one that
 keeps dying is a fault to report (`close()` raises), not to retry forever."""
-PERSIST_GONE = "the persist process exited; checkpoints are kept in memory only"
+PERSIST_GONE = "the persist process exited; this checkpoint is kept in memory only"
 PERSIST_TIMEOUT_S = 600.0
 """How long rank 0 waits for a persist that must finish (wait policy, flush, close)
 before declaring the persist process hung; longer than writing any sane checkpoint."""
