@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.failures import CheckpointFailedError
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps, step_dir
 from moc.checkpoint.tools import verify_checkpoints
@@ -140,7 +141,10 @@ def test_a_persist_process_that_cannot_be_restarted_fails_the_job_but_keeps_memo
     monkeypatch.setattr("moc.checkpoint.twolevel.persist.MAX_RESTARTS", 0)
     root = tmp_path / "ckpt"
     model, opt = _build(0)
-    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    # max_failures=None: training may go on with memory snapshots (by default, three
+    # checkpoints in a row that do not reach storage stop it: see the test below).
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait",
+                                max_failures=None)
     by_step = {r.step: r for r in _kill_persist_after_step_1(model, opt, ckpt)}
     # Training went on with memory snapshots, each reported as not persisted ...
     assert by_step[1].error is None
@@ -155,6 +159,19 @@ def test_a_persist_process_that_cannot_be_restarted_fails_the_job_but_keeps_memo
     report = resumed.restore()
     resumed.close()
     assert (report.step, report.source) == (5, "memory")
+
+
+def test_by_default_checkpoints_stuck_in_memory_stop_the_run_after_max_failures(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.MAX_RESTARTS", 0)
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1,
+                                persist_policy="wait")
+    with pytest.raises(CheckpointFailedError, match="3 checkpoints in a row failed"):
+        _kill_persist_after_step_1(model, opt, ckpt)
+    with pytest.raises(CheckpointError, match="could not be restarted"):
+        ckpt.close()
+    assert job_dir(ckpt.job).exists()  # the newest copies stay for a restart
 
 
 def _train_keeping_copies(model, opt, ckpt, steps):
