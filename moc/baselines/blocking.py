@@ -23,7 +23,7 @@ from torch import nn
 from moc.checkpoint.plan.units import Wanted
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import parse_expert_key, rng_key
-from moc.checkpoint.state import flatten_optimizer, flatten_params
+from moc.checkpoint.state import flatten_optimizer, flatten_params, shared_state
 from moc.checkpoint.sync import Checkpointer, WriteContext
 
 
@@ -46,6 +46,7 @@ class MegatronPlacement:
         tensors: dict[str, torch.Tensor] = {}
         if g.rank == 0:
             tensors.update({k: v for k, v in params.items() if parse_expert_key(k) is None})
+            tensors.update(shared_state(ctx.state))  # buffers, param groups: the same everywhere
             for part in dense_parts:
                 tensors.update(part)
         if g.rank < g.layout.ep:  # expert-parallel group 0 writes the experts

@@ -88,7 +88,7 @@ from moc.checkpoint.errors import (
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.recovery import DictReader, restore_loop
 from moc.checkpoint.spec import ExpertSpec, dense_key, expert_key, param_key_of, rng_key
-from moc.checkpoint.state import RankState, flatten_params
+from moc.checkpoint.state import RankState, flatten_params, shared_state
 from moc.checkpoint.store.manifest import check_model
 from moc.checkpoint.store.steps import fsync_dir
 from moc.topology import ParallelGroups
@@ -542,6 +542,7 @@ def _placeholders(path: Path, state: RankState) -> dict[str, torch.Tensor]:
             owned.add(dense_key("param", name))
     keys = list(params)
     keys += [k for k in stored if k.startswith("optim/") and param_key_of(k) in owned]
+    keys += [k for k in shared_state(state) if k in stored]  # absent in older checkpoints
     if rng_key(state.rank) in stored:  # absent after a restart on more ranks
         keys.append(rng_key(state.rank))
     out = {}

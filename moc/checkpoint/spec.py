@@ -9,7 +9,13 @@ with one parallel layout can be read with another.
     param/layers.1.ffn.experts.w1_LDF/expert=5          slice of expert 5
     optim/layers.0.attn.qkv.weight/exp_avg              optimizer state of a parameter
     optim/layers.1.ffn.experts.w1_LDF/expert=5/exp_avg  ... of one expert's slice
+    buffer/layers.1.ffn.router.bias                     a persistent non-expert buffer
+    optim/param_groups                                  the optimizer's hyperparameters
     rng/rank=3                                          a rank's torch RNG state
+
+`optim/param_groups` cannot be mistaken for a parameter's optimizer state: those keys
+have a state name after the parameter (`optim/<name>/<state>`), and parameter names hold
+dots, never slashes.
 """
 
 from __future__ import annotations
@@ -155,6 +161,34 @@ def dense_key(kind: str, name: str, state: str | None = None) -> str:
 
 def rng_key(rank: int) -> str:
     return f"rng/rank={rank}"
+
+
+PARAM_GROUPS_KEY = "optim/param_groups"
+"""The optimizer's param groups (hyperparameters and the parameters of each group), as
+the canonical JSON bytes of a uint8 tensor: a tensor under a stable dense key travels
+through every engine, snapshot and persist as parameters do, with no format change."""
+
+
+def buffer_key(name: str) -> str:
+    """The key of the persistent buffer `name` (as in `model.named_buffers()`)."""
+    return dense_key("buffer", name)
+
+
+def expert_modules(spec: ExpertSpec) -> set[str]:
+    """Names of the modules that hold expert tensors: each expert's module in the
+    `nn.ModuleList` layout, the container of batched experts. A buffer inside one of
+    them differs between expert-parallel ranks, so it cannot be a dense key."""
+    out = set()
+    for p in spec.params:
+        if p.expert_dim is not None:
+            out.add(p.name.rpartition(".")[0])
+            continue
+        parts = p.name.split(".")  # name = <container>.<i>.<rel>, stem = <container>.<rel>
+        for j, part in enumerate(parts):
+            if part.isdigit() and ".".join(parts[:j] + parts[j + 1:]) == p.stem:
+                out.add(".".join(parts[:j + 1]))
+                break
+    return out
 
 
 def param_key_of(optim_key: str) -> str:

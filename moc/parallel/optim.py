@@ -7,18 +7,21 @@ the parameters it owns and ZeRO broadcasts the result to the other replicas.
 
 Checkpointing needs to name state, not index it: `local_state()` returns the state of the
 parameters this rank owns keyed by parameter name, and `load_local_state()` puts it back,
-whatever the partition was when it was saved.
+whatever the partition was when it was saved. `hyperparameters()` describes the param
+groups as ZeRO's wrappers hold them, with every rank's parameters, so every rank describes
+the same groups whatever its partition, and a restore on another world size matches them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from moc.checkpoint.state import load_named_state
+from moc.checkpoint.state import describe_groups, load_named_state, set_hyperparameters
 from moc.parallel.grads import split_parameters
 from moc.topology import ParallelGroups
 
@@ -100,4 +103,22 @@ class ShardedAdamW:
         (saved before its first update) starts fresh, as it did then."""
         for local in self._local():
             load_named_state(local, self._name_of, states)
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Every param group (dense decayed, dense not decayed, then the same for
+        experts), with every rank's parameters: ZeRO's wrapper holds them all and drives
+        the hyperparameters (it copies them into its partition at each step)."""
+        return [g for opt in self.optimizers for g in describe_groups(opt.param_groups,
+                                                                      self._name_of)]
+
+    def load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
+        """Set every group's hyperparameters, in the order `hyperparameters()` lists them,
+        in the wrapper and in this rank's partition (which has the same groups)."""
+        at = 0
+        for opt, local in zip(self.optimizers, self._local(), strict=True):
+            n = len(opt.param_groups)
+            set_hyperparameters(opt.param_groups, groups[at:at + n])
+            if local is not opt:
+                set_hyperparameters(local.param_groups, groups[at:at + n])
+            at += n
 

@@ -6,8 +6,14 @@ expert of a layer), the layout, and the optimizer's owner map. Sizes of optimize
 are estimated (OPTIM_BYTES_PER_PARAM_BYTE): the plan only needs to balance; what is
 written is measured.
 
-    units, unit_of = write_units(params, spec, layout, owner_of, wanted)
+    units, unit_of = write_units(params, spec, layout, owner_of, wanted, shared)
     keys = sharded_keys(state, wanted, units, unit_of, rank, world_size, sharded_optim)
+
+Keys that are neither a parameter's nor its optimizer state's, but the same on every rank
+(`shared`: persistent buffers, the optimizer's param groups), are non-expert units like
+modules are: a buffer goes with its module's parameters, anything else is a unit of its
+own; each is written by exactly one rank, and at every checkpoint (`ChainState.wanted`
+wants every non-expert key).
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from moc.checkpoint.plan.writes import DENSE, EXPERT, FIXED, WriteUnit, plan_writes
-from moc.checkpoint.spec import ExpertSpec, expert_key, param_key_of
-from moc.checkpoint.state import RankState
+from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec, buffer_key, expert_key, param_key_of
+from moc.checkpoint.state import RankState, persistent_buffers
 from moc.topology import ParallelLayout
 
 OPTIM_BYTES_PER_PARAM_BYTE = 2
@@ -31,14 +37,18 @@ Wanted = Callable[[str], bool]
 
 
 def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: ParallelLayout,
-                owner_of: OwnerOf | None, wanted: Wanted
+                owner_of: OwnerOf | None, wanted: Wanted,
+                shared: Iterable[tuple[str, int]] = ()
                 ) -> tuple[list[WriteUnit], dict[str, str]]:
-    """The plan's units, the same on every rank, and the unit of each parameter key.
+    """The plan's units, the same on every rank, and the unit of each parameter key and
+    shared key.
 
     `params`: (name, bytes) of every parameter this rank holds, in `named_parameters()`
     order. With `owner_of` (a sharded optimizer) each rank's owned optimizer state is a
     unit of its own (one holder); without it, optimizer state is replicated with its
-    parameter and travels in the parameter's unit.
+    parameter and travels in the parameter's unit. `shared`: (key, bytes) of the other
+    keys every rank holds the same copy of: a `buffer/<module>.<name>` joins its module's
+    unit, any other key is a unit of its own.
     """
     world = layout.world_size
     everyone = tuple(range(world))
@@ -80,6 +90,10 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
                 ids = layout.local_experts(e_rank)
                 n = sum(wanted(expert_key("optim", ep.stem, gid, "exp_avg")) for gid in ids)
                 fixed[owner_of(name, e_rank)] += n * per_expert * OPTIM_BYTES_PER_PARAM_BYTE
+    for key, nbytes in shared:
+        module = key[len("buffer/"):].rsplit(".", 1)[0] if key.startswith("buffer/") else key
+        unit_of[key] = f"dense:{module}"
+        add(unit_of[key], nbytes, everyone, DENSE)
     units = [WriteUnit(u, sizes[u], holders[u], kinds[u]) for u in sizes]
     units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
     return units, unit_of
@@ -92,12 +106,15 @@ def sharded_keys(keys: Iterable[str], wanted: Wanted, units: list[WriteUnit],
     plan gives it. Nothing moves between ranks: a rank writes only what it holds.
 
     Its RNG is always its own; sharded optimizer state is written by its owner, i.e.
-    where it is held; replicated optimizer state goes with its parameter's unit."""
+    where it is held; replicated optimizer state goes with its parameter's unit; shared
+    keys (buffers, param groups) by their unit's writer, as parameters."""
     writer = plan_writes(units, world_size).writer
 
     def mine(key: str) -> bool:
         if key.startswith("rng/"):
             return True
+        if key in unit_of:  # a parameter or a shared key
+            return writer[unit_of[key]] == rank
         if key.startswith("optim/"):
             return sharded_optim or writer[unit_of[param_key_of(key)]] == rank
         return writer[unit_of[key]] == rank
@@ -111,6 +128,10 @@ def rank_share(state: RankState, layout: ParallelLayout, keys: Iterable[str], wa
     the fully sharded plan. A sharded optimizer is recognised by its `owner_of`."""
     owner_of: OwnerOf | None = getattr(state.optimizer, "owner_of", None)
     params = [(n, p.numel() * p.element_size()) for n, p in state.model.named_parameters()]
-    units, unit_of = write_units(params, state.spec, layout, owner_of, wanted)
+    shared = [(buffer_key(n), b.numel() * b.element_size())
+              for n, b in persistent_buffers(state.model, state.spec).items()]
+    # The param groups' JSON is a few hundred bytes: its size does not change the plan.
+    shared.append((PARAM_GROUPS_KEY, 0))
+    units, unit_of = write_units(params, state.spec, layout, owner_of, wanted, shared)
     return sharded_keys(keys, wanted, units, unit_of, state.rank, layout.world_size,
                         sharded_optim=owner_of is not None)

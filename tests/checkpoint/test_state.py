@@ -1,0 +1,240 @@
+"""A checkpoint holds the whole training state: parameters, persistent buffers, optimizer
+state and param groups, RNG; on both engines, through snapshots and persists."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from moc.checkpoint.errors import IncompatibleCheckpointError
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec
+from moc.checkpoint.state import TorchOptimizerState, decode_param_groups
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.sync import Checkpointer
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.model import ModelConfig, Transformer
+from moc.model.transformer import Router
+from tests.engines import save_now
+
+CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+ENGINES = ["sync", pytest.param("twolevel-memory", marks=pytest.mark.integration),
+           pytest.param("twolevel-storage", marks=pytest.mark.integration)]
+
+
+@pytest.fixture(autouse=True)
+def shm(tmp_path, monkeypatch):
+    """Two-level snapshots under the test's own directory, never in /dev/shm."""
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+
+
+def _router(model: torch.nn.Module) -> Router:
+    return next(m for m in model.modules() if isinstance(m, Router))
+
+
+def _model(seed: int, buffers: bool = True, n_bias: int = CFG.n_experts) -> Transformer:
+    """The tiny MoE with, on its router, a persistent bias (aux-loss-free balancing)
+    and a non-persistent scratch buffer."""
+    torch.manual_seed(seed)
+    model = Transformer(CFG)
+    if buffers:
+        router = _router(model)
+        router.register_buffer("bias_E", torch.zeros(n_bias))
+        router.register_buffer("scratch_E", torch.zeros(CFG.n_experts), persistent=False)
+    return model
+
+
+def _groups(model: torch.nn.Module, *, reverse: bool = False) -> list[dict]:
+    """Matrices decayed, vectors not: two groups with different weight_decay."""
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return groups[::-1] if reverse else groups
+
+
+def _optim(model: torch.nn.Module, **kw) -> tuple[torch.optim.AdamW, LambdaLR]:
+    opt = torch.optim.AdamW(_groups(model, reverse=kw.pop("reverse", False)), lr=1e-2, **kw)
+    return opt, LambdaLR(opt, lambda s: 0.7 ** s)
+
+
+def _step(model, opt, sched, step: int) -> float:
+    idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+    out = model(idx, idx)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    router = _router(model)
+    if hasattr(router, "bias_E"):
+        with torch.no_grad():  # updated in place from the load, as aux-loss-free balancing
+            router.bias_E.mul_(0.5).add_(out.tokens_per_expert[0].float())
+            router.scratch_E.add_(1.0)
+    return out.loss.item()
+
+
+def _engine(kind: str, root, model, opt):
+    if kind == "sync":
+        return Checkpointer(model, opt, root, policy=PECPolicy.full())
+    return TwoLevelCheckpointer(model, opt, root, policy=PECPolicy.full(),
+                                persist_policy="wait")
+
+
+def _close(kind: str, ckpt) -> None:
+    if kind == "twolevel-memory":
+        ckpt.close(keep_snapshots=True)  # as after a crash: the snapshots survive
+    else:
+        ckpt.close()
+
+
+def _save_after(kind: str, root, steps: int, model=None, opt=None, sched=None):
+    """Train `steps` steps, checkpoint (the scheduler in extra_state, as a user would)."""
+    if model is None:
+        model = _model(0)
+        opt, sched = _optim(model)
+    for step in range(1, steps + 1):
+        _step(model, opt, sched, step)
+    ckpt = _engine(kind, root, model, opt)
+    assert save_now(ckpt, steps, {"sched": sched.state_dict()}).ok
+    _close(kind, ckpt)
+    return model, opt, sched
+
+
+def _restore(kind: str, root, model, opt, sched=None):
+    ckpt = _engine(kind, root, model, opt)
+    report = ckpt.restore()
+    ckpt.close()
+    if sched is not None:
+        sched.load_state_dict(report.extra["sched"])
+    return report
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_lambda_lr_schedule_resumes_at_the_saved_lr_and_continues_bitwise(tmp_path, kind):
+    model, opt, sched = _save_after(kind, tmp_path / "ckpt", 3)
+    saved_lr = [g["lr"] for g in opt.param_groups]
+    want = [_step(model, opt, sched, s) for s in range(4, 7)]
+
+    fresh = _model(1)
+    fresh_opt, fresh_sched = _optim(fresh)
+    report = _restore(kind, tmp_path / "ckpt", fresh, fresh_opt, fresh_sched)
+    assert report.step == 3
+    assert [g["lr"] for g in fresh_opt.param_groups] == saved_lr
+    assert [g["initial_lr"] for g in fresh_opt.param_groups] == [1e-2, 1e-2]
+    got = [_step(fresh, fresh_opt, fresh_sched, s) for s in range(4, 7)]
+    assert got == want  # bitwise
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_persistent_buffers_come_back_and_non_persistent_ones_stay_out(tmp_path, kind):
+    model, opt, sched = _save_after(kind, tmp_path / "ckpt", 3)
+    saved_bias = _router(model).bias_E.clone()
+    assert saved_bias.abs().sum() > 0
+    entries = Manifest.load(tmp_path / "ckpt", 3).entries
+    assert [k for k in entries if k.startswith("buffer/")] == [
+        "buffer/layers.0.ffn.router.bias_E"]
+
+    fresh = _model(1)
+    fresh_opt, fresh_sched = _optim(fresh)
+    _router(fresh).scratch_E.fill_(-1.0)
+    _restore(kind, tmp_path / "ckpt", fresh, fresh_opt, fresh_sched)
+    assert torch.equal(_router(fresh).bias_E, saved_bias)
+    assert torch.equal(_router(fresh).scratch_E, torch.full((CFG.n_experts,), -1.0))
+    for s in range(4, 6):
+        _step(model, opt, sched, s)
+        _step(fresh, fresh_opt, fresh_sched, s)
+    assert torch.equal(_router(fresh).bias_E, _router(model).bias_E)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_param_groups_are_matched_by_their_parameters_not_their_position(tmp_path, kind):
+    _save_after(kind, tmp_path / "ckpt", 2)
+    fresh = _model(1)
+    vectors = [p for p in fresh.parameters() if p.dim() < 2]
+    matrices = [p for p in fresh.parameters() if p.dim() >= 2]
+    # Built in the other order, with another weight decay and betas for every group.
+    fresh_opt = torch.optim.AdamW([{"params": vectors}, {"params": matrices}], lr=1e-2,
+                                  weight_decay=0.5, betas=(0.5, 0.5))
+    _restore(kind, tmp_path / "ckpt", fresh, fresh_opt)
+    assert [g["weight_decay"] for g in fresh_opt.param_groups] == [0.0, 0.1]
+    assert [g["betas"] for g in fresh_opt.param_groups] == [(0.9, 0.999)] * 2
+    assert fresh_opt.param_groups[0]["params"] == vectors  # the parameters stay
+
+
+def test_the_param_groups_key_holds_canonical_json_of_every_group(tmp_path):
+    _save_after("sync", tmp_path / "ckpt", 2)
+    reader = CheckpointReader(tmp_path / "ckpt", Manifest.load(tmp_path / "ckpt", 2))
+    groups = decode_param_groups(reader.get(PARAM_GROUPS_KEY))
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert groups[0]["betas"] == [0.9, 0.999] and "initial_lr" in groups[0]
+    assert "params" in groups[1] and "norm.weight" in groups[1]["params"]
+    # An expert tensor is named by its stem: the same whatever the layout.
+    stems = {p.stem for p in ExpertSpec.infer(_model(1)).params}
+    assert stems <= set(groups[0]["params"])
+
+
+def test_a_different_number_of_param_groups_is_refused_clearly(tmp_path):
+    _save_after("sync", tmp_path / "ckpt", 2)
+    fresh = _model(1)
+    one_group = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with pytest.raises(IncompatibleCheckpointError, match="2 param groups, this optimizer 1"):
+        _restore("sync", tmp_path / "ckpt", fresh, one_group)
+
+
+def test_a_buffer_of_another_shape_is_refused(tmp_path):
+    _save_after("sync", tmp_path / "ckpt", 2)
+    fresh = _model(1, n_bias=CFG.n_experts + 1)
+    with pytest.raises(IncompatibleCheckpointError, match="bias_E"):
+        _restore("sync", tmp_path / "ckpt", fresh, _optim(fresh)[0])
+
+
+class ThreeMethods:
+    """A user's OptimizerState of the original protocol: no hyperparameter hooks."""
+
+    def __init__(self, optimizer, model) -> None:
+        self.inner = TorchOptimizerState(optimizer, model)
+
+    def owned_names(self):
+        return self.inner.owned_names()
+
+    def local_state(self):
+        return self.inner.local_state()
+
+    def load_local_state(self, states) -> None:
+        self.inner.load_local_state(states)
+
+
+def test_a_checkpoint_without_buffers_or_param_groups_still_restores(tmp_path, caplog):
+    """What a checkpoint written before this change holds: no buffer keys (the model had
+    none, or they were not saved) and no param groups (the optimizer gave none)."""
+    model = _model(0, buffers=False)
+    opt, sched = _optim(model)
+    for step in (1, 2):
+        _step(model, opt, sched, step)
+    ckpt = Checkpointer(model, ThreeMethods(opt, model), tmp_path, policy=PECPolicy.full())
+    assert save_now(ckpt, 2).ok
+    keys = Manifest.load(tmp_path, 2).entries
+    assert PARAM_GROUPS_KEY not in keys and not any(k.startswith("buffer/") for k in keys)
+
+    fresh = _model(1)
+    _router(fresh).bias_E.fill_(3.0)
+    fresh_opt, _ = _optim(fresh)
+    with caplog.at_level(logging.WARNING, logger="moc.checkpoint.state"):
+        assert _restore("sync", tmp_path, fresh, fresh_opt).step == 2
+    assert torch.equal(_router(fresh).bias_E, torch.full((CFG.n_experts,), 3.0))
+    assert [g["lr"] for g in fresh_opt.param_groups] == [1e-2, 1e-2]  # kept
+    assert "bias_E" in caplog.text and PARAM_GROUPS_KEY in caplog.text
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_a_persistent_buffer_inside_the_experts_is_refused_at_construction(tmp_path):
+    model = _model(0)
+    experts = next(m for n, m in model.named_modules() if n.endswith("experts"))
+    experts.register_buffer("load_E", torch.zeros(CFG.n_experts))
+    with pytest.raises(ValueError, match=r"'layers\.0\.ffn\.experts\.load_E'.*persistent=False"):
+        Checkpointer(model, torch.optim.AdamW(model.parameters()), tmp_path)
+    experts.register_buffer("load_E", torch.zeros(CFG.n_experts), persistent=False)
+    Checkpointer(model, torch.optim.AdamW(model.parameters()), tmp_path)  # not state: fine
