@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning, TokenLedger
 
 
 def _sync(ledger: TokenLedger) -> None:
@@ -116,3 +118,24 @@ def test_at_copy_decides_what_is_lost_and_all_saved_forgets_it():
     assert ledger.recover(at_copy, {}).lost_tokens == 0
     ledger.all_saved()
     assert ledger.unsaved().sum() == 0
+
+
+def test_without_counts_a_lossy_recovery_is_unknown_and_a_lossless_one_is_zero():
+    ledger = TokenLedger(2, 4, k=1)
+    at_copy = torch.zeros(2, 4, dtype=torch.int64)
+    unknown = ledger.recover(at_copy, {}, stale=True)  # older experts, nothing counted
+    assert (unknown.plt, unknown.lost_tokens, unknown.lost_per_layer) == (None, None, None)
+    exact = ledger.recover(at_copy, {}, stale=False)  # every expert at the step restored
+    assert (exact.plt, exact.lost_tokens) == (0.0, 0)
+    ledger.add_synced(torch.ones(2, 4, dtype=torch.int64))
+    assert ledger.recover(at_copy, {}, stale=True).lost_tokens == 8  # counted: measured
+
+
+def test_a_partial_policy_without_counts_warns_once_at_the_first_checkpoint():
+    ledger = TokenLedger(2, 4, k=1)
+    with pytest.warns(RoutingNotRecordedWarning, match="K=1 of 4"):
+        ledger.warn_if_untracked(10, rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ledger.warn_if_untracked(20, rank=0)  # once per run
+        TokenLedger(2, 4, k=4).warn_if_untracked(10, rank=0)  # K = N: nothing is lost
