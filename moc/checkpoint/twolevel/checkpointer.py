@@ -249,7 +249,8 @@ class TwoLevelCheckpointer(CheckpointEngine):
             raise CheckpointError(error)
         fatal, self.planner.fatal = self.planner.fatal, None
         if fatal:
-            raise CheckpointFailedError(fatal)
+            lost = self._persist_lost()
+            raise CheckpointFailedError(f"{fatal}; {lost}" if lost else fatal)
 
     @property
     def pending(self) -> bool:
@@ -372,10 +373,17 @@ class TwoLevelCheckpointer(CheckpointEngine):
 
     def _raise_if_persist_lost(self) -> None:
         """Every rank (persist_alive is rank 0's view, shared at each plan)."""
+        lost = self._persist_lost()
+        if lost:
+            raise CheckpointError(lost)
+
+    def _persist_lost(self) -> str | None:
+        """What to say when the persist process is gone for good (None: it is not): where
+        the checkpoints that never reached storage are, and what to do."""
         if self.planner.persist_alive:
-            return
+            return None
         manifest = self.parts.chain.manifest
-        raise CheckpointError(
+        return (
             f"the persist process died and could not be restarted ({MAX_RESTARTS} "
             "restarts at most); checkpoints after "
             f"{f'step {manifest.step}' if manifest is not None else 'the start'} reached "
