@@ -148,6 +148,12 @@ def remove_abandoned(root: Path) -> list[Path]:
     for d in sorted(root.iterdir()):
         if not (d.is_dir() and d.name.startswith("step-")):
             continue
+        if d.is_symlink() and d.name.endswith((".tmp", ".replaced")):
+            # Never written by moc: only the link goes, never what it points at (and a
+            # linked `.replaced` is not put back as a step).
+            d.unlink()
+            removed.append(d)
+            continue
         if d.name.endswith(".replaced"):
             final = root / d.name.removesuffix(".replaced")
             if not (final / MANIFEST).is_file():

@@ -34,3 +34,15 @@ def test_abandoned_tmp_is_removed_but_a_replaced_only_copy_is_put_back(tmp_path)
     removed = remove_abandoned(tmp_path)
     assert [p.name for p in removed] == ["step-00000005.tmp"]
     assert complete_steps(tmp_path) == [10]
+
+
+def test_a_planted_tmp_or_replaced_symlink_is_unlinked_and_its_target_kept(tmp_path):
+    root, outside = tmp_path / "ckpt", tmp_path / "precious"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "data").write_text("keep me")
+    (root / "step-00000005.tmp").symlink_to(outside, target_is_directory=True)
+    (root / "step-00000006.replaced").symlink_to(outside, target_is_directory=True)
+    removed = remove_abandoned(root)
+    assert sorted(p.name for p in removed) == ["step-00000005.tmp", "step-00000006.replaced"]
+    assert list(root.iterdir()) == [] and (outside / "data").read_text() == "keep me"
