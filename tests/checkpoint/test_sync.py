@@ -12,6 +12,10 @@ from moc.model import ModelConfig, Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from tests.engines import save_now
 
+# These tests exercise what is saved, not PLT: most record no routing, on purpose.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::moc.checkpoint.policy.tokens.RoutingNotRecordedWarning")
+
 CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
 
 
