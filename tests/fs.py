@@ -27,3 +27,14 @@ def tmpfs(path: Path, size: str = "16m") -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
+
+
+def fill(path: Path) -> None:
+    """Fill the file system of directory `path` to the last byte, as another job would."""
+    with open(path / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass

@@ -18,7 +18,7 @@ from moc.checkpoint.store.steps import complete_steps, step_dir
 from moc.checkpoint.tools import inspect_checkpoints
 from moc.model import ModelConfig, Transformer
 from tests.distributed import TINY, build_sharded, run_ranks
-from tests.fs import tmpfs
+from tests.fs import fill, tmpfs
 
 CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
 
@@ -148,23 +148,12 @@ def test_without_routing_counts_a_lossy_recovery_reports_plt_unknown(tmp_path):
 # -- a failed save is loud -----------------------------------------------------------------
 
 
-def _fill(root) -> None:
-    """Fill the file system of `root` to the last byte, as another job would."""
-    with open(root / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 16))
-                f.flush()
-        except OSError:
-            pass
-
-
 def test_failed_saves_are_logged_then_raise_after_max_failures(tmp_path, caplog):
     with tmpfs(tmp_path / "fs", size="4m") as root:
         model, opt = _build()
         ckpt = moc.Checkpointer(model, opt, root / "ckpt", interval=1, max_failures=3)
         ckpt.save(1)
-        _fill(root)  # the disk fills up under the job
+        fill(root)  # the disk fills up under the job
         ckpt.save(2)
         ckpt.save(3)
         errors = [r.error for r in ckpt.drain_completed()]

@@ -197,7 +197,7 @@ class TensorReader:
             raise self._corrupt(f"header length {n} exceeds the file ({size} bytes) or "
                                 f"the limit of {MAX_HEADER_BYTES} bytes")
         try:
-            header = json.loads(self._pread(n, 8), object_pairs_hook=_no_duplicates)
+            header = json.loads(self._pread(n, 8), object_pairs_hook=no_duplicate_keys)
         except (ValueError, UnicodeDecodeError) as e:
             raise self._corrupt(f"header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
@@ -285,9 +285,10 @@ def _is_uint(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """object_pairs_hook: JSON with a key twice is ambiguous (which one wins depends on
-    the reader), so it is refused."""
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads` object_pairs_hook for files read from storage (headers, manifests):
+    a key given twice is ambiguous (readers disagree on which one wins), so it is
+    refused rather than read either way."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:

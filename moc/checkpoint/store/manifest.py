@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from moc.checkpoint.store.format import ITEM_SIZES, TensorRecord, checksum
+from moc.checkpoint.store.format import (
+    ITEM_SIZES,
+    TensorRecord,
+    checksum,
+    no_duplicate_keys,
+)
 from moc.checkpoint.store.steps import (
     MANIFEST,
     RANK_FILE_PATTERN,
@@ -97,7 +102,7 @@ class Manifest:
         version-2 checksums (and `version` 2): in memory every manifest means the same.
         IncompatibleCheckpointError is for a format version this moc cannot read."""
         try:
-            d = json.loads(text, object_pairs_hook=_no_duplicates)
+            d = json.loads(text, object_pairs_hook=no_duplicate_keys)
         except ValueError as e:  # JSONDecodeError, and duplicate keys
             raise CorruptCheckpointError(f"{source}: manifest is not valid JSON ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
@@ -202,17 +207,6 @@ POLICY_TYPES: dict[str, tuple[type, ...]] = {
     "plt_threshold": (int, float), "plt_base": (int, float)}
 """Typed policy fields besides the integers (`k`, `index`) and `lost_base`; other keys
 are a policy's own and only need to be JSON."""
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """object_pairs_hook: a key given twice is ambiguous (readers disagree on which one
-    wins), so a manifest with one is refused rather than read either way."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
 
 
 def _is_int(x: object) -> bool:

@@ -164,13 +164,19 @@ def test_a_dtype_changed_in_the_header_is_corrupt(ckpt_dir):
     _assert_step_2_rejected(ckpt_dir, "I32")
 
 
-def test_a_shape_swapped_in_header_and_manifest_is_corrupt_not_incompatible(ckpt_dir):
+def _swap_a_shape_in_the_header(ckpt_dir) -> str:
+    """Reverse the shape of a non-square 2-D tensor in step 2's header; its key."""
     path = step_dir(ckpt_dir, 2) / rank_file(0)
     _, header, _ = _header(path)
     key = next(k for k, v in header.items()
                if k != "__metadata__" and len(v["shape"]) == 2 and v["shape"][0] != v["shape"][1])
     header[key]["shape"].reverse()
     _rewrite_header(path, header)
+    return key
+
+
+def test_a_shape_swapped_in_header_and_manifest_is_corrupt_not_incompatible(ckpt_dir):
+    key = _swap_a_shape_in_the_header(ckpt_dir)
     d = _manifest(ckpt_dir, 2)
     d["entries"][key]["shape"].reverse()  # the manifest agrees: only the checksum knows
     _write_manifest(ckpt_dir, 2, d)
@@ -179,12 +185,7 @@ def test_a_shape_swapped_in_header_and_manifest_is_corrupt_not_incompatible(ckpt
 
 
 def test_a_shape_swapped_in_the_header_only_is_corrupt(ckpt_dir):
-    path = step_dir(ckpt_dir, 2) / rank_file(0)
-    _, header, _ = _header(path)
-    key = next(k for k, v in header.items()
-               if k != "__metadata__" and len(v["shape"]) == 2 and v["shape"][0] != v["shape"][1])
-    header[key]["shape"].reverse()
-    _rewrite_header(path, header)
+    _swap_a_shape_in_the_header(ckpt_dir)
     _assert_verify_flags_step_2(ckpt_dir, "the manifest records")
     _assert_step_2_rejected(ckpt_dir, "the manifest records")
 

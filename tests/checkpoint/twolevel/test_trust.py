@@ -14,7 +14,7 @@ from moc.checkpoint.tools import inspect_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.slots import job_dir
 from moc.model import ModelConfig, Transformer
-from tests.fs import tmpfs
+from tests.fs import fill, tmpfs
 
 pytestmark = pytest.mark.integration  # real persist processes
 
@@ -97,13 +97,7 @@ def test_persists_that_keep_failing_end_the_run_and_keep_the_only_copy(tmp_path)
                                     persist_policy="wait", max_failures=2)
         _train(model, opt, ckpt, 1)
         ckpt.flush()
-        with open(fs / "filler", "wb") as f:  # the disk fills up under the job
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 16))
-                    f.flush()
-            except OSError:
-                pass
+        fill(fs)  # the disk fills up under the job
         with pytest.raises(CheckpointFailedError, match="2 checkpoints in a row failed"):
             _train(model, opt, ckpt, 4, start=2)
         with pytest.raises(CheckpointFailedError):
