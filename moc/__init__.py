@@ -16,10 +16,11 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.topology import ParallelGroups
+from moc.topology import ParallelGroups, init_distributed
 
 __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
            "CorruptCheckpointError", "ExpertSpec", "IncompatibleCheckpointError",
-           "PECPolicy", "ParallelGroups", "RecoveryReport", "TwoLevelCheckpointer"]
+           "PECPolicy", "ParallelGroups", "RecoveryReport", "TwoLevelCheckpointer",
+           "init_distributed"]

@@ -181,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "interval from measured costs: `moc simulate --help`")
     simulate.add_argument("rest", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        print("usage: moc bench {size,overhead,accuracy} [options]\n\n"
+              "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
+              "  overhead  stall and throughput of every checkpoint mode, side by side\n"
+              "  accuracy  validation loss and PLT under recurring faults\n\n"
+              "`moc bench WHAT --help` lists the options of each.")
+        return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:
         # A leading REMAINDER positional would swallow nothing that starts with "--".
         argv = ["simulate", "--", *argv[1:]]

@@ -12,14 +12,59 @@ different EP groups hold the same experts and form an expert-data-parallel (EDP)
                             ranks 0, 2 hold experts 0-3; ranks 1, 3 hold experts 4-7
 
 `ParallelLayout` is the arithmetic (pure, testable with no process group);
-`ParallelGroups` the process groups of one rank.
+`ParallelGroups` the process groups of one rank; `init_distributed` joins the job.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""Long enough for a slow disk under a blocking save; short enough that a hung peer
+does not hold the job forever when torchrun fails to notice."""
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_distributed(backend: str | None = None,
+                     timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> bool:
+    """Join the torchrun job, in a way that survives torchrun restarts; whether a
+    process group is (now) initialised. A no-op outside torchrun (no RANK in the
+    environment) or when one is already initialised.
+
+    `backend`: default nccl when CUDA is available (each rank then uses the device
+    `LOCAL_RANK`), gloo otherwise. moc's checkpoint traffic always has its own gloo
+    group (`ParallelGroups.side_group`), whatever training uses.
+
+    Why not `dist.init_process_group(backend)`: torchrun keeps one store for the whole
+    job, and a restarted worker would read the addresses its dead predecessors
+    published there and fail to connect (gloo: "connectFullMesh failed ... Connection
+    refused"). The store is namespaced here by torchrun's restart count.
+    """
+    if dist.is_initialized():
+        return True
+    if "RANK" not in os.environ:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"moc/attempt-{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timeout)
+    return True
 
 
 @dataclass(frozen=True)

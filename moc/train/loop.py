@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import resource
 import signal
@@ -35,39 +34,17 @@ from moc.parallel import (
     shard_experts,
     sync_gradients,
 )
+from moc.topology import init_distributed as init
+from moc.topology import restart_count
 from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
 from moc.train.metrics import MetricsWriter, Progress, read_events, table
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
-"""Long enough for a slow disk under a blocking save; short enough that a hung peer
-does not hold the job forever when torchrun fails to notice."""
-
 
 def init_distributed() -> None:
-    """Join the torchrun job (gloo: the reference trainer trains on the CPU); a no-op
-    without torchrun.
-
-    The store is namespaced by torchrun's restart count. torchrun keeps one store for the
-    whole job, and without the prefix a restarted worker reads the addresses its dead
-    predecessors published and fails to connect ("Connection refused").
-    """
-    if dist.is_initialized() or "RANK" not in os.environ:
-        return
-    backend = "gloo"  # the reference trainer runs on the CPU; see docs/STATUS.md
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0,
-                          timeout=COLLECTIVE_TIMEOUT)
-    store = dist.PrefixStore(f"moc/attempt-{restart_count()}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-
-
-def restart_count() -> int:
-    """How many times torchrun has restarted this job (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Join the torchrun job on gloo (the reference trainer trains on the CPU; see
+    docs/STATUS.md); `moc.init_distributed` does the restart-safe part."""
+    init(backend="gloo")
 
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
