@@ -100,14 +100,14 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
     meta = dist.broadcast(headers[mine[step]].meta if step in mine else None,
                           src=sources.index("memory"))
     manifest = Manifest.load(root, newest_storage) if newest_storage is not None else None
-    at_copy = _at_copy(copies, headers, manifest, set(state.flatten()), tracked_kind,
+    held = set(state.flatten())
+    at_copy = _at_copy(copies, headers, manifest, held, tracked_kind,
                        state.spec.stems(), meta)
     # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
     at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
     at_copy = at_copy.max(dim=0).values
     cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
     at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
-    held = set(state.flatten())
     older = any(copy_step < step for key, (copy_step, _) in copies.items()
                 if key in held and (parsed := parse_expert_key(key)) is not None
                 and parsed[0] == tracked_kind)

@@ -30,7 +30,7 @@ def _build(seed: int):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _train(model, opt, ckpt, steps, start=1):
+def _train(model, opt, ckpt, steps, start=1, final_at=None):
     records = []
     for step in range(start, start + steps):
         idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
@@ -40,7 +40,7 @@ def _train(model, opt, ckpt, steps, start=1):
         opt.step()
         opt.zero_grad()
         ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step})
+        ckpt.maybe_save(step, {"step": step}, final=step == final_at)
         records += ckpt.drain_completed()
     return records
 

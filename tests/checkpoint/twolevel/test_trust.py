@@ -14,6 +14,7 @@ from moc.checkpoint.tools import inspect_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.slots import job_dir
 from moc.model import ModelConfig, Transformer
+from tests.checkpoint.twolevel.test_checkpointer import _train
 from tests.fs import fill, tmpfs
 
 pytestmark = pytest.mark.integration  # real persist processes
@@ -25,19 +26,6 @@ def _build(seed: int):
     torch.manual_seed(seed)
     model = Transformer(CFG)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train(model, opt, ckpt, steps, final_at=None, start=1):
-    for step in range(start, start + steps):
-        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
-        out = model(idx, idx)
-        out.loss.backward()
-        ckpt.wait_for_snapshot()
-        opt.step()
-        opt.zero_grad()
-        ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step}, final=step == final_at)
-        ckpt.drain_completed()
 
 
 def _ages(root):
