@@ -80,16 +80,15 @@ def train(args: argparse.Namespace) -> None:
         interval=args.interval, keep_last=2)    # ... the memory snapshot: all of them
     report = ckpt.restore()                     # None on a fresh start
     start = report.step if report else 0
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun
     if report and rank == 0:
-        print(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: resumed from "
-              f"step {report.step} ({report.source}), lost tokens {report.lost_tokens}",
-              flush=True)
+        print(f"restart {restart}: resumed from step {report.step} ({report.source}), "
+              f"lost tokens {report.lost_tokens}", flush=True)
     routing = RouterCounts(model)  # PLACEHOLDER until ckpt.watch_routing lands
     losses = open(args.out / "losses.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     ddp.train()
     for step in range(start + 1, args.steps + 1):
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step == args.fault_at and rank == 1 and first_attempt:
+        if step == args.fault_at and rank == 1 and restart == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash, as real as they come
         input_ids = batch(args.seed, step, rank, 8, 16, config.vocab_size).to(device)
         loss = ddp(input_ids, labels=input_ids).loss
@@ -106,7 +105,8 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(mean)                   # the loss over all ranks' batches
         if losses is not None:
             value = mean.item() / world
-            losses.write(json.dumps({"step": step, "loss": value, "hex": value.hex()}) + "\n")
+            losses.write(json.dumps({"step": step, "loss": value, "hex": value.hex(),
+                                     "restart": restart}) + "\n")
             losses.flush()                      # a SIGKILL loses nothing already logged
     ckpt.flush()                                # finish what is in flight ...
     for result in ckpt.drain_completed():       # ... and take its results

@@ -1,0 +1,74 @@
+"""The examples run as users run them: examples/train_hf_ddp.py under a real torchrun with a
+real SIGKILL and restart, examples/minimal.py twice in one directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration  # real processes: torchrun, ranks, persist process
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks share the cores; no warning
+    r = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, f"{argv} exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}"
+    return r
+
+
+def torchrun(out: Path, *, fault_at: int | None = None) -> subprocess.CompletedProcess:
+    """The example's header commands: `--max-restarts 1 ... --fault-at S` for a fault."""
+    restarts = ["--max-restarts", "1"] if fault_at is not None else []
+    fault = ["--fault-at", str(fault_at)] if fault_at is not None else []
+    return run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *restarts, str(EXAMPLES / "train_hf_ddp.py"), "--out", str(out),
+               "--steps", "20", *fault, cwd=out.parent)
+
+
+def losses(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    straight, faulted = root / "straight", root / "faulted"
+    return {"straight": (straight, torchrun(straight)),
+            "faulted": (faulted, torchrun(faulted, fault_at=13))}
+
+
+def test_hf_ddp_example_resumes_from_memory_after_a_sigkill(hf_runs):
+    out, r = hf_runs["faulted"]
+    assert "restart 1: resumed from step 10 (memory), lost tokens 0" in r.stdout, r.stdout
+    restarts = [e["restart"] for e in losses(out)]
+    assert restarts == [0] * 12 + [1] * 10  # steps 11 and 12 ran again after the restart
+
+
+def test_hf_ddp_example_losses_after_the_restart_are_bitwise_equal(hf_runs):
+    (a, _), (b, _) = hf_runs["straight"], hf_runs["faulted"]
+    straight = {e["step"]: e["hex"] for e in losses(a)}
+    assert sorted(straight) == list(range(1, 21))
+    for e in losses(b):  # both attempts' copies of steps 11 and 12 as well
+        assert e["hex"] == straight[e["step"]], f"step {e['step']} (restart {e['restart']})"
+    assert float.fromhex(straight[20]) < float.fromhex(straight[1])  # it did learn
+    # The example's own check, as its header tells users to run it.
+    r = run(str(EXAMPLES / "train_hf_ddp.py"), "--compare", str(a), str(b), cwd=a.parent)
+    assert "every loss bitwise equal" in r.stdout
+
+
+def test_minimal_example_resumes_from_its_checkpoint_when_run_again(tmp_path):
+    first = run(str(EXAMPLES / "minimal.py"), "--steps", "20", cwd=tmp_path)
+    assert first.stdout.startswith("fresh start")
+    assert (tmp_path / "runs" / "minimal" / "ckpt" / "step-00000020" / "manifest.json").exists()
+    second = run(str(EXAMPLES / "minimal.py"), "--steps", "30", cwd=tmp_path)
+    assert second.stdout.startswith("resumed from step 20, lost tokens 0"), second.stdout
+    assert "step 30:" in second.stdout and "step 20:" not in second.stdout
