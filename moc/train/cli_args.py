@@ -61,6 +61,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-kind", choices=["process", "node", "persist"], default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode moc)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on a terminal: a plain line every 10%% of the steps, "
+                        "as in a log (the default when stderr is not a terminal or CI is set)")
 
 
 def parse_k(value: str | None) -> int | None:
@@ -94,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,
-        k_snapshot=_parse_k_snapshot(args.k_snapshot))
+        k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress)
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

@@ -102,6 +102,9 @@ class TrainConfig:
     fault_kind: str = "process"
     """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots;
     persist: SIGKILL rank 0's persist process (two-level mode only), the ranks live on."""
+    progress: bool = True
+    """A progress bar with the ETA on rank 0 when stderr is a terminal (not under CI);
+    False (`--no-progress`) keeps the plain line every 10%, as in a log."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ckpt_interval", "eval_batches"):

@@ -38,7 +38,7 @@ from moc.topology import init_distributed as init
 from moc.topology import restart_count
 from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
-from moc.train.metrics import MetricsWriter, Progress, read_events, table
+from moc.train.metrics import MetricsWriter, StepProgress, read_events, table
 
 
 def init_distributed() -> None:
@@ -157,7 +157,7 @@ class Trainer:
                              "steps": self.cfg.steps, "min_lr_ratio": self.cfg.min_lr_ratio},
                 "seed": self.cfg.seed}
 
-    def restore(self, progress: Progress) -> int | None:
+    def restore(self, progress: StepProgress) -> int | None:
         if self.checkpointer is None:
             return None
         last_seen = None
@@ -220,9 +220,10 @@ class Trainer:
     def run(self) -> RunResult:
         cfg = self.cfg
         t0 = time.perf_counter()
-        progress = Progress(cfg.steps, enabled=self.is_main)
+        progress = StepProgress(cfg.steps, enabled=self.is_main, bar=False)  # messages
         resumed_from = self.restore(progress)
-        progress = Progress(cfg.steps, start=self.step, enabled=self.is_main)
+        progress = StepProgress(cfg.steps, start=self.step, enabled=self.is_main,
+                                bar=cfg.progress)
         result = RunResult(cfg.steps, float("nan"), float("nan"), 0.0, resumed_from=resumed_from)
         loss = float("nan")
         self.model.train()
@@ -263,7 +264,7 @@ class Trainer:
             progress.message(self.summary(result))
         return result
 
-    def _report(self, result: RunResult, res: CheckpointResult, progress: Progress) -> str:
+    def _report(self, result: RunResult, res: CheckpointResult, progress: StepProgress) -> str:
         """Log one finished checkpoint; the progress bar's note for it."""
         if res.k_snapshot_chosen:
             chosen = res.k_snapshot_chosen

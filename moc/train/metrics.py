@@ -1,4 +1,4 @@
-"""What the trainer tells machines (JSON lines) and humans (progress bar, summary table)."""
+"""What the trainer tells machines (JSON lines) and humans (progress, summary table)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from moc.progress import Progress, progress, wanted
 
 
 class MetricsWriter:
@@ -46,36 +48,54 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
-class Progress:
-    """A one-line progress bar on a terminal; a line every 10% otherwise (logs, CI)."""
+class StepProgress:
+    """Training progress of rank 0: a tqdm bar with the rate and ETA on a terminal
+    (`moc.progress`), a line every 10% otherwise (logs, CI, pipes, `--no-progress`).
+    Without a terminal the output is the plain lines alone, as the tests that read it
+    expect; `bar=False` for a progress that only reports messages (the recovery)."""
 
     def __init__(self, total: int, start: int = 0, stream: TextIO = sys.stderr,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, bar: bool = True) -> None:
         self.total, self.stream, self.enabled = total, stream, enabled
-        self.tty = stream.isatty()
+        self._bar: Progress | None = None
+        if enabled and bar and wanted(stream):
+            self._bar = progress(total, "train", "step", initial=start, stream=stream)
         self._last_pct = -1
-        self._t0, self._start = time.perf_counter(), start
+        self._t0, self._start, self._step = time.perf_counter(), start, start
+        self._ckpt_note = ""  # the last checkpoint's, kept on the bar until the next
 
     def update(self, step: int, loss: float, note: str = "") -> None:
         if not self.enabled:
             return
-        done = step / self.total
-        rate = (step - self._start) / max(1e-9, time.perf_counter() - self._t0)
-        text = f"step {step:>6}/{self.total}  loss {loss:7.4f}  {rate:6.2f} it/s {note}"
-        if self.tty:
-            bar = "#" * int(30 * done)
-            self.stream.write(f"\r[{bar:<30}] {text}")
+        if self._bar is not None:
+            self._bar.update(step - self._step)
+            self._step = step
+            self._ckpt_note = note or self._ckpt_note
+            self._bar.note(f"loss {loss:.4f}{self._ckpt_note}")
             if step == self.total:
-                self.stream.write("\n")
-        elif int(done * 10) > self._last_pct or step == self.total:
+                self.close()  # what follows is plain text
+            return
+        done = step / self.total
+        if int(done * 10) > self._last_pct or step == self.total:
             self._last_pct = int(done * 10)
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            rate = (step - self._start) / max(1e-9, time.perf_counter() - self._t0)
+            self.stream.write(f"step {step:>6}/{self.total}  loss {loss:7.4f}  "
+                              f"{rate:6.2f} it/s {note}\n")
+            self.stream.flush()
 
     def message(self, text: str) -> None:
-        if self.enabled:
-            self.stream.write(("\n" if self.tty else "") + text + "\n")
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            self.stream.write(text + "\n")
             self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def table(rows: list[tuple[str, str]], title: str) -> str:

@@ -1,0 +1,92 @@
+"""Progress with an ETA for long work (training, benchmarks), for a human at a terminal.
+
+    with progress(total=len(runs), desc="bench size", unit="run") as bar:
+        for name in runs:
+            bar.note(name)           # what is running now, after the bar
+            ...
+            bar.update()             # one more done: rate and ETA follow
+            bar.write("a line")      # printed above the bar (or plainly, without one)
+
+The bar is drawn by tqdm, and only where someone watches: when the stream (stderr) is a
+terminal, `CI` is not set and the caller did not pass `disable=True` (`--no-progress`).
+Otherwise nothing is drawn and nothing is written except what `write` is given, so logs,
+pipes and the tests that parse them see exactly what they saw before bars existed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+from typing import TextIO
+
+from tqdm import tqdm
+
+BAR_ROWS = 20
+"""The terminal height tqdm is told: any height above one row shows our single bar."""
+
+
+def wanted(stream: TextIO | None = None, disable: bool = False) -> bool:
+    """Whether a bar would be drawn on `stream` (default stderr): a terminal, not CI
+    (CI logs are terminals to no one, and some CI runners fake one), not disabled."""
+    stream = sys.stderr if stream is None else stream
+    if disable or os.environ.get("CI"):
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class Progress:
+    """One bar (see the module docstring); inert when not `wanted`. Owned by the thread
+    that made it: tqdm draws on the caller's thread, in `update`."""
+
+    def __init__(self, total: int | None, desc: str, unit: str = "it", *, initial: int = 0,
+                 disable: bool = False, stream: TextIO | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self._bar: tqdm | None = None
+        if wanted(self.stream, disable):
+            # nrows: one bar needs one row, and a terminal that reports a height of 0
+            # (`script`, some containers) would make tqdm hide it as off-screen.
+            self._bar = tqdm(total=total, desc=desc, unit=unit, initial=initial,
+                             file=self.stream, nrows=BAR_ROWS, leave=True)
+
+    @property
+    def active(self) -> bool:
+        """A bar is being drawn."""
+        return self._bar is not None
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def note(self, text: str) -> None:
+        """Text after the bar (the loss, the configuration running); redrawn at once."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
+    def write(self, text: str) -> None:
+        """A line for the reader: above the bar when there is one, else plainly."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def progress(total: int | None, desc: str, unit: str = "it", *, initial: int = 0,
+             disable: bool = False, stream: TextIO | None = None) -> Progress:
+    """A bar over `total` units of work, `initial` of them already done (a resumed run);
+    a context manager that closes it."""
+    return Progress(total, desc, unit, initial=initial, disable=disable, stream=stream)
