@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish, train_run
+from moc.progress import progress
 
 RUNS: dict[str, list[str]] = {
     "no-fault": ["--ckpt-mode", "none"],
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="loss curves with the faults marked")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (drawn only on a terminal, never under CI)")
     args = p.parse_args(argv)
     steps, fault_every, names = args.steps, args.fault_every, args.runs
     if args.quick:
@@ -171,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
               "--ckpt-interval", str(args.interval)]
     t0 = time.perf_counter()
     runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
+            progress(len(names), "bench accuracy", "run", disable=args.no_progress) as bar:
         for name in names:
             workdir = Path(tmp) / name
             workdir.mkdir()
+            bar.note(name)
             runs[name] = run(name, common, steps, fault_every, workdir)
-            print(f"{name}: val loss {runs[name]['val_loss']:.4f}, "
-                  f"PLT {100 * runs[name]['plt']:.2f}%", file=sys.stderr, flush=True)
+            bar.update()
+            bar.write(f"{name}: val loss {runs[name]['val_loss']:.4f}, "
+                      f"PLT {100 * runs[name]['plt']:.2f}%")
     result = {"config": {"preset": args.config, "nproc": args.nproc, "steps": steps,
                          "interval": args.interval, "fault_every": fault_every,
                          "wall_s": time.perf_counter() - t0},

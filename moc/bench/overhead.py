@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from moc.bench.plots import publish, train_run
+from moc.progress import progress
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
@@ -234,12 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="bar chart of stall and throughput (matplotlib)")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (drawn only on a terminal, never under CI)")
     args = p.parse_args(argv)
     steps = 20 if args.quick else args.steps
     common = ["--nproc", str(args.nproc), "--config", args.config, "--steps", str(steps),
               "--ckpt-interval", str(args.interval)]
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+    n_runs = args.repeat * len(args.strategies)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
+            progress(n_runs, "bench overhead", "run", disable=args.no_progress) as bar:
         # Best of three: a limit, and this shared disk's speed varies from one second
         # to the next.
         limits = {"disk_write_Bps": max(disk_write_bandwidth(Path(tmp)) for _ in range(3)),
@@ -250,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.strategies:
                 workdir = Path(tmp) / f"{name}-{i}"
                 workdir.mkdir()
+                bar.note(name if args.repeat == 1 else f"{name}, round {i + 1}")
                 rounds[name].append(run_strategy(name, common, steps, args.interval, workdir))
+                bar.update()
         strategies = {name: _median_of(runs) for name, runs in rounds.items()}
     for r in strategies.values():
         r["persist_fraction_of_disk"] = (r["persist_Bps"] / limits["disk_write_Bps"]

@@ -364,7 +364,8 @@ def _train(workdir: Path, args: list[str]) -> list[dict[str, Any]]:
 
 
 def validate(names: list[str], steps: int, interval: int, fault_every: int, fault_kind: str,
-             repeat: int = 1, workdir: Path | None = None) -> dict[str, Any]:
+             repeat: int = 1, workdir: Path | None = None, no_progress: bool = False
+             ) -> dict[str, Any]:
     """Per strategy, three runs back to back (tiny, 2 ranks, ep 2):
 
         (a) no checkpoints                   -> T = span_a / steps
@@ -378,8 +379,10 @@ def validate(names: list[str], steps: int, interval: int, fault_every: int, faul
     times. R_i comes from (c) itself, so the check is of how the parts add up (T and C
     from other runs, lost work from the fault steps), not of R. Each strategy gets its
     own (a), right before its (b) and (c): on a shared machine the speed drifts between
-    runs, and the closer in time, the less. `repeat` rounds are independent checks."""
+    runs, and the closer in time, the less. `repeat` rounds are independent checks. A
+    bar counts the runs on a terminal (`no_progress`: none)."""
     from moc.bench.overhead import STRATEGIES
+    from moc.progress import progress
 
     for name in names:
         if name == "none" or name not in STRATEGIES:
@@ -397,14 +400,18 @@ def validate(names: list[str], steps: int, interval: int, fault_every: int, faul
     n_ckpt = steps // interval
     rounds: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp, \
+            progress(3 * repeat * len(names), "simulate --validate", "run",
+                     disable=no_progress) as bar:
 
         def run(label: str, args: list[str]) -> list[dict[str, Any]]:
             d = Path(tmp) / label
             d.mkdir()
-            print(f"moc simulate --validate: {label} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
-            return _train(d, [*common, *args])
+            bar.write(f"moc simulate --validate: {label} ({time.perf_counter() - t0:.0f} s)")
+            bar.note(label)
+            events = _train(d, [*common, *args])
+            bar.update()
+            return events
 
         for i in range(repeat):
             results: dict[str, Any] = {}
@@ -502,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="independent rounds of the validation (~100 s each)")
     p.add_argument("--workdir", type=Path, help="--validate: where the runs write "
                                                 "(default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="--validate: no progress bar (drawn only on a terminal, never "
+                        "under CI)")
     argv = list(sys.argv[1:] if argv is None else argv)
     # `moc simulate -- --png x`: the top-level parser hands the separator on.
     args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
@@ -509,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         v = validate(args.strategies or ["blocking", "moc"], args.validate_steps,
                      args.validate_interval, args.validate_fault_every, args.fault_kind,
-                     args.validate_repeat, args.workdir)
+                     args.validate_repeat, args.workdir, args.no_progress)
         print(validation_markdown(v))
         print(f"\n(validation wall time {v['wall_s']:.0f} s)")
         if args.json:

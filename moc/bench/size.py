@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish, train_run
+from moc.progress import Progress, progress
 from moc.train.config import PRESETS
 
 B_W, B_O = 4, 8
@@ -59,16 +60,21 @@ def strategies(n_experts: int, ks: list[int]) -> list[tuple[str, str, list[str],
     return out
 
 
-def run(nproc: int, ep: int | None, config: str, steps: int, ks: list[int], workdir: Path
-        ) -> dict[str, Any]:
+def run(nproc: int, ep: int | None, config: str, steps: int, ks: list[int], workdir: Path,
+        bar: Progress | None = None) -> dict[str, Any]:
+    """Every strategy's sizes; `bar` advances by one per strategy run."""
     n = PRESETS[config]["model"].n_experts
     p_ne, p_e = parameter_counts(config)
     results: dict[str, Any] = {}
     for name, placement, args, k in strategies(n, ks):
         label = f"{name} ({placement})"
+        if bar is not None:
+            bar.note(label)
         d = workdir / f"{name}-{placement}"
         events = _run(d, args, nproc, ep, config, steps)
         shutil.rmtree(d, ignore_errors=True)
+        if bar is not None:
+            bar.update()
         later = events[1:] if name.startswith("pec") else events
         results[label] = {
             "k": k,
@@ -112,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--workdir", type=Path, help="where checkpoints are written "
                                                 "(default: a temporary directory)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (drawn only on a terminal, never under CI)")
     args = p.parse_args(argv)
     if args.steps < 2:
         raise ValueError("--steps must be >= 2: a PEC chain's first checkpoint is full")
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        result = run(args.nproc, args.ep, args.config, args.steps, args.k, Path(tmp))
+    n_runs = len(strategies(PRESETS[args.config]["model"].n_experts, args.k))
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
+            progress(n_runs, "bench size", "run", disable=args.no_progress) as bar:
+        result = run(args.nproc, args.ep, args.config, args.steps, args.k, Path(tmp), bar)
     cfg = result["config"]
     publish("moc bench size",
             [("model", f"{cfg['preset']}: {cfg['params_non_expert']:,} non-expert + "
