@@ -90,7 +90,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def demo() -> int:
     """The main job: 2 ranks, ep=2, tiny, 200 steps with two-level checkpoints (a complete
     snapshot in shared memory, 1 of 4 experts per layer persisted), a SIGKILL at step
-    130, recovery from memory, and what the recovery lost (nothing)."""
+    130, recovery from memory, and what the recovery lost (nothing). Its output,
+    runs/demo/, is written (afresh) under the current directory."""
     from moc.train.metrics import read_events, table
 
     if DEMO_DIR.exists():
@@ -158,12 +159,20 @@ def _print(text: str) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+BENCHMARKS = ("size", "overhead", "accuracy")
+"""`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `moc` command line and its subcommands by name (tests/test_cli_help.py walks
+    them: every one answers --help)."""
     parser = argparse.ArgumentParser(prog="moc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the reference MoE model under torchrun")
     add_train_args(train, launcher=True)
-    sub.add_parser("demo", help="the main job: train with a fault and recover")
+    sub.add_parser("demo", help=f"the main job: train with a fault and recover (writes "
+                                f"{DEMO_DIR}/ under the current directory)",
+                   description=demo.__doc__)
     inspect = sub.add_parser("inspect", help="list a checkpoint directory's steps, the "
                              "experts each saved and how old every expert's copy is; "
                              "exit 1 if a step's manifest is CORRUPT (then run verify)")
@@ -173,13 +182,18 @@ def main(argv: list[str] | None = None) -> int:
                             "if anything is corrupt or missing")
     verify.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
     bench = sub.add_parser("bench", add_help=False,
-                           help="benchmarks: `moc bench {size,overhead,accuracy} --help`")
-    bench.add_argument("what", choices=["size", "overhead", "accuracy"])
+                           help=f"benchmarks: `moc bench {{{','.join(BENCHMARKS)}}} --help`")
+    bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     simulate = sub.add_parser("simulate", add_help=False,
                               help="effective training time and the best checkpoint "
                                    "interval from measured costs: `moc simulate --help`")
     simulate.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser, dict(sub.choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         print("usage: moc bench {size,overhead,accuracy} [options]\n\n"
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             what = "simulate" if args.command == "simulate" else args.what
             return importlib.import_module(f"moc.bench.{what}").main(args.rest)
         if args.command == "train":
-            return launch(args, train)
+            return launch(args, commands["train"])
         if args.command == "demo":
             return demo()
         if args.command == "inspect":
