@@ -53,6 +53,7 @@ from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
+from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
@@ -168,7 +169,15 @@ class TwoLevelCheckpointer(CheckpointEngine):
     # -- the training loop's calls -------------------------------------------------------
 
     def record_routing(self, counts: torch.Tensor) -> None:
+        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
+        this rank routed this step. Refused while a recorder watches (double count)."""
         self.parts.ledger.record(counts)
+
+    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
+        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
+        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
+        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
+        return RoutingRecorder(model, self.spec, ledger=self.parts.ledger, **options)
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
              final: bool = False) -> None:
