@@ -13,6 +13,7 @@ from moc.checkpoint.errors import (
     IncompatibleCheckpointError,
 )
 from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
@@ -22,5 +23,6 @@ __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
            "CorruptCheckpointError", "ExpertSpec", "IncompatibleCheckpointError",
-           "PECPolicy", "ParallelGroups", "RecoveryReport", "TwoLevelCheckpointer",
+           "PECPolicy", "ParallelGroups", "RecoveryReport", "RoutingRecorder",
+           "TwoLevelCheckpointer",
            "init_distributed"]

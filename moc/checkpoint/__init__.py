@@ -12,6 +12,7 @@ tests/test_dependencies.py).
     plan/           who writes what: write units, their assignment, the chain
     store/          how it lands: tensor files, step directories, manifest, retention
     recovery.py     the one restore loop
+    routing.py      `RoutingRecorder`: routed tokens counted by forward hooks
     sync.py         `Checkpointer`, the synchronous engine
     twolevel/       `TwoLevelCheckpointer`: snapshot in memory, background persist
     tools.py        inspect, verify

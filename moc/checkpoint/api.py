@@ -6,7 +6,7 @@
         loss = model(batch); loss.backward()
         ckpt.wait_for_snapshot()             # the only place training may wait
         optimizer.step(); optimizer.zero_grad()
-        ckpt.record_routing(tokens_per_expert)
+        ckpt.record_routing(tokens_per_expert)   # moc's engines: watch_routing instead
         ckpt.maybe_save(step, extra_state={...}, final=step == steps)
         if ckpt.pending:                     # cheap: no work on ordinary steps
             for result in ckpt.drain_completed():
@@ -14,6 +14,10 @@
     ckpt.flush()                             # everything in flight is finished ...
     results = ckpt.drain_completed()         # ... and reported
     ckpt.close()                             # releases background work, raises its errors
+
+moc's engines (`moc.Checkpointer`, `moc.TwoLevelCheckpointer`) also count routed tokens
+themselves: `ckpt.watch_routing(model)` once, before the loop, hooks the model's routers
+(`moc.checkpoint.routing`) and replaces the `record_routing` call.
 
 A failed checkpoint is logged and training goes on from the previous one; `max_failures`
 (default 3) failed checkpoints in a row, or a failed final one, raise on the caller's

@@ -2,15 +2,23 @@
 
     ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1),
                             interval=10, keep_last=3)
-    report = ckpt.restore()                 # None on a fresh start
+    report = ckpt.restore()                 # RecoveryReport | None (a fresh start)
     start = report.step if report else 0
+    ckpt.watch_routing(model)               # routed tokens, for PLT (moc.RoutingRecorder)
     for step in range(start + 1, steps + 1):
         loss = model(batch); loss.backward()
         ckpt.wait_for_snapshot()            # nothing to wait for here; see api.py
-        optimizer.step()
-        ckpt.record_routing(counts)         # (MoE layers, experts) tokens routed this step
-        ckpt.maybe_save(step, extra_state={...})
+        optimizer.step(); optimizer.zero_grad()
+        ckpt.maybe_save(step, extra_state={...}, final=step == steps)
+        if ckpt.pending:                    # cheap: no work on ordinary steps
+            for result in ckpt.drain_completed():
+                log(result)
+    ckpt.flush()                            # nothing in flight here; see api.py
+    results = ckpt.drain_completed()
     ckpt.close()
+
+Instead of `watch_routing`, a loop may hand the counts itself every step:
+`ckpt.record_routing(tokens_per_expert)`, (MoE layers, global experts) of this rank.
 
 A save is a pipeline over small parts, each deciding one thing:
 
@@ -58,6 +66,7 @@ from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.plan.units import Wanted, rank_share
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
+from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store import format as tensor_files
@@ -96,9 +105,22 @@ class ShardedPlacement:
 
 
 class Checkpointer(CheckpointEngine):
-    """Partial experts checkpointing with fully sharded writes, synchronous: `save`
-    returns once the step is committed (or found incomplete), and its result is then in
-    `drain_completed()`. Implements `moc.checkpoint.api.CheckpointEngine`.
+    """Partial experts checkpointing (PEC) with fully sharded writes, synchronous: `save`
+    writes this rank's share of the step straight to storage and returns once the step
+    is committed (or found incomplete); its result is then in `drain_completed()`.
+    Implements `moc.checkpoint.api.CheckpointEngine`.
+
+    Choose it for runs across nodes, for the simplest failure story (what `save`
+    returned is on storage), or when a checkpoint every `interval` steps costs little
+    next to the step. `moc.TwoLevelCheckpointer` hides the write behind training instead
+    (one node in this release). The loop:
+
+        ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
+        report = ckpt.restore(); start = report.step if report else 0
+        ckpt.watch_routing(model)
+        for step in range(start + 1, steps + 1):
+            train_step(); ckpt.wait_for_snapshot(); optimizer.step()
+            ckpt.maybe_save(step, extra_state={...}, final=step == steps)
 
     Owner of its chain state, token ledger and retention: the caller's thread.
     """
@@ -122,7 +144,15 @@ class Checkpointer(CheckpointEngine):
     # -- the training loop's calls -------------------------------------------------------
 
     def record_routing(self, counts: torch.Tensor) -> None:
+        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
+        this rank routed this step. Refused while a recorder watches (double count)."""
         self.parts.ledger.record(counts)
+
+    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
+        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
+        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
+        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
+        return RoutingRecorder(model, self.spec, ledger=self.parts.ledger, **options)
 
     def wait_for_snapshot(self) -> None:
         """Nothing to wait for: a synchronous save is complete when it returns."""

@@ -119,6 +119,9 @@ class Trainer:
                                     cfg.batch_size * world, cfg.seed)
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
         self.checkpointer = self.make_checkpointer()
+        # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
+        self.routing = (self.checkpointer.watch_routing(self.model) if isinstance(
+            self.checkpointer, (Checkpointer, TwoLevelCheckpointer)) else None)
         self.step = 0
 
     def make_checkpointer(self) -> CheckpointEngine | None:
@@ -197,7 +200,6 @@ class Trainer:
         clip_grad_norm_(self.model, groups, cfg.grad_clip)
         if self.checkpointer is not None:
             self.checkpointer.wait_for_snapshot()
-            self.checkpointer.record_routing(out.tokens_per_expert)
         self.optimizer.set_lr(cfg.lr_at(self.step))
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
@@ -304,6 +306,8 @@ class Trainer:
         return "\n" + table(rows, "moc train summary")
 
     def close(self) -> None:
+        if self.routing is not None:
+            self.routing.remove()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()

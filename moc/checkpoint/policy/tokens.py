@@ -19,9 +19,13 @@ Dynamic-K (paper, sec. 3): after each recovery, if the PLT lost since K last cha
 exceeds the threshold, K doubles (up to N). Every kind of recovery (from memory, from
 storage, mixed) accounts through `TokenLedger.recover`, so they cannot disagree.
 
-Without counts (the loop never called `record_routing`) nothing says what a recovery
-that restored older experts lost: its PLT is unknown (None), never a 0 that was not
-measured, and a partial policy warns at the first checkpoint (`warn_if_untracked`).
+Counts come from `record_routing` or, added per MoE layer as the forward runs, from a
+`RoutingRecorder`'s hooks (`watch_routing`, moc/checkpoint/routing.py); never both.
+
+Without counts (the loop never called `record_routing`, no recorder watched) nothing
+says what a recovery that restored older experts lost: its PLT is unknown (None), never
+a 0 that was not measured, and a partial policy warns at the first checkpoint
+(`warn_if_untracked`).
 """
 
 from __future__ import annotations
@@ -75,8 +79,12 @@ class TokenLedger:
     lost: torch.Tensor = field(init=False)
     lost_base: torch.Tensor = field(init=False)
     """Per-layer lost tokens when K last changed: Dynamic-K judges what was lost since."""
+    watched: bool = field(init=False, default=False)
+    """A `RoutingRecorder` counts into this ledger (`record_layer`); `record` refuses."""
     _pending: torch.Tensor = field(init=False)
     _warned: bool = field(init=False, default=False)
+    _recorded: bool = field(init=False, default=False)
+    """`record` (the loop's `record_routing`) was called in this run."""
 
     def __post_init__(self) -> None:
         shape = (self.n_moe_layers, self.n_experts)
@@ -92,12 +100,39 @@ class TokenLedger:
     def record(self, counts: torch.Tensor) -> None:
         """Add one step's local (layers x experts) counts. Hot path: one add on the
         counts' own device, no host sync, no communication."""
+        if self.watched:
+            raise ValueError(
+                "record_routing while watch_routing's RoutingRecorder counts the same "
+                "tokens would count every token twice: drop the record_routing call, or "
+                "call recorder.remove() first to count by hand")
+        self._recorded = True
         if counts.shape != self._pending.shape:
             raise ValueError(f"record_routing expects counts of shape (MoE layers, experts) = "
                              f"{tuple(self._pending.shape)}, got {tuple(counts.shape)}")
         if self._pending.device != counts.device:
             self._pending = self._pending.to(counts.device)
         self._pending += counts.detach()
+
+    def record_layer(self, layer: int, counts_E: torch.Tensor) -> None:
+        """Add one MoE layer's (E,) counts of one forward (a `RoutingRecorder` hook).
+        Hot path: one add on the counts' own device, no host sync, no communication."""
+        if self._pending.device != counts_E.device:
+            self._pending = self._pending.to(counts_E.device)
+        self._pending[layer] += counts_E.detach()
+
+    def watch(self) -> None:
+        """A `RoutingRecorder` starts counting into this ledger: refused when one already
+        does, or when the loop records counts itself (either would count twice)."""
+        if self.watched:
+            raise ValueError("this checkpointer already watches a model's routing; one "
+                             "RoutingRecorder counts every MoE layer (remove() it first)")
+        if self._recorded:
+            raise ValueError("watch_routing after record_routing would count every token "
+                             "twice: use one of them (watch_routing, before the loop)")
+        self.watched = True
+
+    def unwatch(self) -> None:
+        self.watched = False
 
     def take_pending(self) -> torch.Tensor:
         """This rank's counts since the last checkpoint (on the CPU), reset to zero; the
@@ -189,15 +224,16 @@ class TokenLedger:
     def warn_if_untracked(self, step: int, rank: int) -> None:
         """Warn once, at the first checkpoint (after its counts were summed), when K < N
         and no routing was recorded: PLT and Dynamic-K cannot work without counts."""
-        if self._warned or self.k >= self.n_experts or self.tracked:
+        if self._warned or self.k >= self.n_experts or self.tracked or self.watched:
             return
         self._warned = True
         if rank == 0:
             warnings.warn(
                 f"checkpoint of step {step}: partial checkpoints (K={self.k} of "
                 f"{self.n_experts} experts per layer) but no routing was recorded; call "
-                "record_routing(tokens_per_expert) every step, or recoveries will report "
-                "PLT as unknown and Dynamic-K cannot raise K", RoutingNotRecordedWarning,
+                "ckpt.watch_routing(model) before the loop (or record_routing("
+                "tokens_per_expert) every step), or recoveries will report PLT as "
+                "unknown and Dynamic-K cannot raise K", RoutingNotRecordedWarning,
                 stacklevel=3)
 
     def all_saved(self) -> None:

@@ -1,5 +1,27 @@
 """`moc.TwoLevelCheckpointer`: PEC + sharding + a snapshot in memory + a background persist.
 
+    ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1),
+                                    interval=10, keep_last=3)
+    report = ckpt.restore()                 # RecoveryReport | None (a fresh start)
+    start = report.step if report else 0
+    ckpt.watch_routing(model)               # routed tokens, for PLT (moc.RoutingRecorder)
+    for step in range(start + 1, steps + 1):
+        loss = model(batch); loss.backward()
+        ckpt.wait_for_snapshot()            # the only place training may wait
+        optimizer.step(); optimizer.zero_grad()
+        ckpt.maybe_save(step, extra_state={...}, final=step == steps)
+        if ckpt.pending:                    # cheap: no work on ordinary steps
+            for result in ckpt.drain_completed():
+                log(result)
+    ckpt.flush()                            # the persists in flight are finished ...
+    results = ckpt.drain_completed()        # ... and reported
+    ckpt.close()
+
+Instead of `watch_routing`, a loop may hand the counts itself every step:
+`ckpt.record_routing(tokens_per_expert)`, (MoE layers, global experts) of this rank.
+
+How a checkpoint goes:
+
     save(s)              hand step s to the snapshot thread and return at once; that
                          thread runs the plan (`twolevel.planner`: one small all-reduce,
                          the experts, the sharded writes, a free slot) and copies this
@@ -53,6 +75,7 @@ from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
+from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
@@ -105,7 +128,23 @@ class _InFlight:
 
 
 class TwoLevelCheckpointer(CheckpointEngine):
-    """Two-level checkpointing on one node; implements `moc.checkpoint.api.CheckpointEngine`.
+    """Two-level checkpointing on one node (MoC-System's): `save` returns at once; a
+    snapshot thread copies the state into node-local shared memory behind the next
+    forward and backward, and a persist process writes the partial (K_persist) share
+    to storage. Implements `moc.checkpoint.api.CheckpointEngine`.
+
+    Choose it when checkpoint stalls matter: training waits only in
+    `wait_for_snapshot()`, and a process crash recovers from memory, exactly (the
+    snapshot holds every expert by default); a lost node recovers from storage, losing
+    the tokens PLT reports. One node in this release (`moc.Checkpointer` across nodes).
+    The loop:
+
+        ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
+        report = ckpt.restore(); start = report.step if report else 0
+        ckpt.watch_routing(model)
+        for step in range(start + 1, steps + 1):
+            train_step(); ckpt.wait_for_snapshot(); optimizer.step()
+            ckpt.maybe_save(step, extra_state={...}, final=step == steps)
 
     Takes `moc.Checkpointer`'s arguments, plus `job` (the shared-memory job id; default:
     derived from the directory, so torchrun restarts of a run find its snapshots),
@@ -168,7 +207,15 @@ class TwoLevelCheckpointer(CheckpointEngine):
     # -- the training loop's calls -------------------------------------------------------
 
     def record_routing(self, counts: torch.Tensor) -> None:
+        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
+        this rank routed this step. Refused while a recorder watches (double count)."""
         self.parts.ledger.record(counts)
+
+    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
+        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
+        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
+        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
+        return RoutingRecorder(model, self.spec, ledger=self.parts.ledger, **options)
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
              final: bool = False) -> None:

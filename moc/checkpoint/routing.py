@@ -1,0 +1,286 @@
+"""`RoutingRecorder`: the tokens routed to each expert, counted by forward hooks.
+
+PLT and Dynamic-K (`policy/tokens.py`) need, every step, the assignments this rank routed
+to each (MoE layer, global expert). Instead of the loop computing them and calling
+`record_routing`, a recorder hooks each MoE layer's router and adds them to the engine's
+token ledger as the forward runs:
+
+    ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
+    ckpt.watch_routing(model)             # once, before the loop; no record_routing
+
+What is hooked (`find_routers`), one module per MoE layer of the `ExpertSpec`, matched
+to the spec's layer through the module that holds that layer's expert container (the
+MoE block), never by position in the model:
+
+    moc's own MoE     the block (`MoE`): its forward returns (y, aux, counts_E), the
+                      assignments kept per global expert after capacity dropping, the
+                      same numbers `ModelOutput.tokens_per_expert` stacks
+    transformers v5   the block's `gate` (Mixtral, Qwen2-MoE, OLMoE `*TopKRouter`):
+                      (router_logits, router_scores, router_indices); the indices
+    transformers v4   the block's `gate`, an `nn.Linear` returning logits: top-k of
+                      their softmax with k = the block's `top_k`, as the block does
+    anything else     `routers={layer: module}` and `indices=fn(module, inputs, output)`
+                      returning the global expert ids chosen; or `observe(layer, ids)`
+
+Which forwards count: those of a module in training mode with grad enabled (eval and
+`torch.no_grad()` forwards are not counted). With expert parallelism a router sees this
+rank's tokens and picks global expert ids, so a rank's counts are over global experts,
+as `record_routing` expects; they are summed over ranks at a checkpoint. Gradient
+accumulation: every micro-batch counts (each one's update of an expert is lost with it).
+
+Activation recomputation (`torch.utils.checkpoint`) runs a checkpointed forward again
+inside backward, recognised by running inside an autograd graph task. Each layer's
+tokens count once: non-reentrant checkpointing's first forward counts and its recompute
+is skipped; reentrant checkpointing's first forward runs without grad (not counted), so
+its recompute counts. A hook tells them apart by a per-layer tally of counted forwards
+not yet recomputed (see docs/DECISIONS.md, "Issue 13: routing recorded for you").
+
+Hot path: per MoE layer per forward, one scatter-add of the ids into an (E,) count (or the
+layer's own counts) and one add into the ledger, on the tensors' own device: no host
+sync, no communication. The hooks return None, so the model's outputs and loss are the
+model's own, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moc.checkpoint.parts import unwrap
+from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.spec import ExpertSpec
+
+IndicesFn = Callable[[nn.Module, tuple, Any], torch.Tensor]
+"""fn(module, inputs, output) -> integer tensor of the global expert ids the module chose
+for the tokens of this forward (any shape: one id per token and choice)."""
+
+ROUTER_NAMES = ("gate", "router")
+"""The children of an MoE block that route its tokens (transformers, moc)."""
+
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+"""-1 outside autograd's backward. A forward that runs inside backward is a recompute of
+activation checkpointing; without this private hook (a future torch) none is detected."""
+
+
+@dataclass(frozen=True)
+class Hooked:
+    """What is hooked for one MoE layer, and how its forward is read."""
+
+    module: nn.Module
+    top_k: int | None = None
+    """k of a router that returns only logits (transformers v4: the block's `top_k`)."""
+    returns_counts: bool = False
+    """The module returns its (E,) counts last (moc's MoE: after capacity dropping)."""
+
+
+class RoutingRecorder:
+    """Counts the tokens each MoE layer routes to each global expert, by forward hooks,
+    into a token ledger (an engine's, through `watch_routing`, or its own).
+
+    `routers`: None finds one per MoE layer (see the module docstring); else a mapping
+    {MoE layer: module or module name} (or a sequence in layer order): only those are
+    hooked, and other layers are counted only through `observe`. `indices`: how to read
+    the chosen global expert ids out of a hooked module's forward; None reads them by the
+    output's type. `top_k`: the k of a router that returns only logits (default: the
+    module's or its block's `top_k`).
+
+    Owner: the caller's thread, which runs the forwards (the ledger's `record_layer`).
+    `remove()` (or leaving a `with` block) takes the hooks off; a removed recorder
+    counts nothing more.
+    """
+
+    def __init__(self, model: nn.Module, spec: ExpertSpec | None = None, *,
+                 ledger: TokenLedger | None = None,
+                 routers: Mapping[int, nn.Module | str] | Sequence[nn.Module | str] | None
+                 = None, indices: IndicesFn | None = None, top_k: int | None = None) -> None:
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"RoutingRecorder top_k must be >= 1 or None, got {top_k}")
+        model = unwrap(model)
+        self.spec = spec if spec is not None else ExpertSpec.infer(model)
+        hooked = (find_routers(model, self.spec) if routers is None
+                  else _named_routers(model, self.spec, routers))
+        self.routers: dict[int, nn.Module] = {m: h.module for m, h in sorted(hooked.items())}
+        """The module hooked for each MoE layer."""
+        self._own_ledger = ledger is None
+        self.ledger = ledger if ledger is not None else TokenLedger(
+            self.spec.n_moe_layers, self.spec.n_experts)
+        self.ledger.watch()  # refuses a second recorder, or one after record_routing
+        self._handles: list | None = [
+            h.module.register_forward_hook(self._hook(m, h, indices, top_k))
+            for m, h in sorted(hooked.items())]
+
+    def _hook(self, layer: int, hooked: Hooked, indices: IndicesFn | None,
+              top_k: int | None) -> Callable:
+        n_experts, ledger = self.spec.n_experts, self.ledger
+        k = top_k or hooked.top_k
+        unrecomputed = [0]  # counted forwards of this layer not recomputed (yet)
+
+        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            if _graph_task_id() != -1:  # activation checkpointing's recompute
+                if unrecomputed[0]:  # non-reentrant: its first forward counted
+                    unrecomputed[0] -= 1
+                    return
+                # reentrant: the first forward ran without grad; this one counts
+            else:
+                unrecomputed[0] += 1
+            if indices is not None:
+                counts_E = bincount(indices(module, inputs, output), n_experts)
+            elif hooked.returns_counts:
+                counts_E = output[-1]
+            else:
+                counts_E = read_counts(module, output, n_experts, k)
+            ledger.record_layer(layer, counts_E)
+
+        return hook
+
+    def observe(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Count the global expert ids one MoE layer chose in this forward, for a model
+        whose router cannot be hooked: call it from the forward of training steps. Not
+        counted without grad or inside backward (a recompute: this call cannot tell a
+        reentrant one from another, so with activation checkpointing call it outside
+        the checkpointed part)."""
+        if not 0 <= layer < self.spec.n_moe_layers:
+            raise ValueError(f"observe: MoE layer {layer} is outside 0.."
+                             f"{self.spec.n_moe_layers - 1} (the spec's MoE layers)")
+        if self._handles is None:
+            raise RuntimeError("observe on a removed RoutingRecorder: it counts nothing more")
+        if torch.is_grad_enabled() and _graph_task_id() == -1:
+            self.ledger.record_layer(layer, bincount(expert_ids, self.spec.n_experts))
+
+    def take(self) -> torch.Tensor:
+        """(MoE layers, experts) counts since the last `take`, on the CPU, reset to zero;
+        only for a recorder with its own ledger (an engine's takes them at a checkpoint)."""
+        if not self._own_ledger:
+            raise RuntimeError("this recorder feeds a checkpoint engine, which takes its "
+                               "counts at each checkpoint; build RoutingRecorder(model, "
+                               "spec) without a ledger to read counts yourself")
+        return self.ledger.take_pending()
+
+    def remove(self) -> None:
+        """Take the hooks off; idempotent."""
+        if self._handles is None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = None
+        self.ledger.unwatch()
+
+    def __enter__(self) -> RoutingRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def bincount(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) int64 count of each id, on the ids' device. A scatter-add, not
+    `torch.bincount`, which on CUDA reads the largest id back to the host (a sync).
+    Ids outside 0..E-1 raise on the CPU (and trip a device assert on CUDA)."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"routing indices must be an integer tensor of global expert ids, "
+                        f"got {ids.dtype}")
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
+def read_counts(module: nn.Module, output: Any, n_experts: int, top_k: int | None
+                ) -> torch.Tensor:
+    """A router's (E,) counts, read by the type of its output (module docstring)."""
+    if isinstance(output, tuple) and output and _is_int(output[-1]):
+        return bincount(output[-1], n_experts)  # transformers v5: (logits, scores, ids)
+    ids = getattr(output, "ids_NK", None)  # moc's Router, hooked by name
+    if _is_int(ids):
+        return bincount(ids, n_experts)
+    if isinstance(output, torch.Tensor) and output.dtype.is_floating_point:
+        k = top_k or getattr(module, "top_k", None)
+        if k is None:
+            raise ValueError(f"{type(module).__name__} returns router logits but no top_k "
+                             "is known: pass watch_routing(model, top_k=k)")
+        # transformers v4: top-k of the float32 softmax, ties broken as the block does.
+        return bincount(output.float().softmax(dim=-1).topk(k, dim=-1).indices, n_experts)
+    raise TypeError(
+        f"cannot read the experts {type(module).__name__} chose from its output "
+        f"({type(output).__name__}); pass watch_routing(model, routers={{layer: module}}, "
+        "indices=fn) with fn(module, inputs, output) -> LongTensor of global expert ids")
+
+
+def _is_int(t: object) -> bool:
+    return (isinstance(t, torch.Tensor) and not t.dtype.is_floating_point
+            and not t.dtype.is_complex and t.dtype != torch.bool)
+
+
+def layer_containers(spec: ExpertSpec) -> list[set[str]]:
+    """The names of each MoE layer's expert containers (usually one), in layer order."""
+    out: list[set[str]] = [set() for _ in range(spec.n_moe_layers)]
+    for p in spec.params:
+        if p.expert_dim is not None:
+            out[p.moe_layer].add(p.name.rpartition(".")[0])
+            continue
+        parts = p.name.split(".")  # <container>.<i>.<rel>, stem <container>.<rel>
+        for j, part in enumerate(parts):
+            if part.isdigit() and ".".join(parts[:j] + parts[j + 1:]) == p.stem:
+                out[p.moe_layer].add(".".join(parts[:j]))
+                break
+    return out
+
+
+def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
+    """What to hook for each MoE layer of `spec`: the router (`gate` or `router`) of the
+    block that holds the layer's experts, or moc's own MoE block itself (it has a
+    `router` and returns its kept counts). Raises ValueError naming the layers it cannot
+    map."""
+    named = dict(model.named_modules())
+    found: dict[int, Hooked] = {}
+    missing = []
+    for layer, containers in enumerate(layer_containers(spec)):
+        blocks = {c.rpartition(".")[0] for c in containers}
+        block = named.get(blocks.pop()) if len(blocks) == 1 else None
+        gate, router = (getattr(block, n, None) for n in ROUTER_NAMES)
+        if isinstance(gate, nn.Module):
+            found[layer] = Hooked(gate, getattr(gate, "top_k", None) or
+                                  getattr(block, "top_k", None))
+        elif isinstance(router, nn.Module):
+            found[layer] = Hooked(block, returns_counts=True)
+        else:
+            missing.append(f"layer {layer} (experts {', '.join(sorted(containers))})")
+    if missing:
+        raise ValueError(
+            f"found a router for {len(found)} of the {spec.n_moe_layers} MoE layers: no "
+            f"child named {' or '.join(ROUTER_NAMES)} next to the experts of "
+            f"{'; '.join(missing)}. Pass the routers: watch_routing(model, routers="
+            "{layer: module, ...}, indices=fn) with fn(module, inputs, output) -> global "
+            "expert ids, or call recorder.observe(layer, ids) from the forward")
+    return found
+
+
+def _named_routers(model: nn.Module, spec: ExpertSpec,
+                   routers: Mapping[int, nn.Module | str] | Sequence[nn.Module | str]
+                   ) -> dict[int, Hooked]:
+    """`routers` as given: {MoE layer: module or its name} (a sequence: in layer order)."""
+    if not isinstance(routers, Mapping):
+        routers = dict(enumerate(routers))
+    named = dict(model.named_modules())
+    out: dict[int, Hooked] = {}
+    for layer, module in routers.items():
+        if not (isinstance(layer, int) and 0 <= layer < spec.n_moe_layers):
+            raise ValueError(f"routers: key {layer!r} is not an MoE layer of the spec "
+                             f"(0..{spec.n_moe_layers - 1}, in the spec's layer order)")
+        if isinstance(module, str):
+            if module not in named:
+                raise ValueError(f"routers: the model has no module named {module!r}")
+            module = named[module]
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"routers[{layer}] must be an nn.Module or its name, got "
+                             f"{type(module).__name__}")
+        out[layer] = Hooked(module)
+    if len({id(h.module) for h in out.values()}) < len(out):
+        raise ValueError("routers: one module is given for two MoE layers; each layer "
+                         "needs its own router")
+    return out
