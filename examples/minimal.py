@@ -49,15 +49,14 @@ def main() -> None:
     start = report.step if report else 0
     print(f"resumed from step {report.step}, lost tokens {report.lost_tokens}" if report
           else "fresh start")
+    ckpt.watch_routing(model)                   # counts routed tokens: PLT, Dynamic-K
     for step in range(start + 1, args.steps + 1):
         x_BT, y_BT = batch(step, config)
-        out = model(x_BT, y_BT)
-        loss = out.loss
+        loss = model(x_BT, y_BT).loss
         loss.backward()
         ckpt.wait_for_snapshot()                # the only place training may wait
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ckpt.record_routing(out.tokens_per_expert)  # PLACEHOLDER until watch_routing
         ckpt.maybe_save(step, extra_state={"steps": args.steps}, final=step == args.steps)
         if ckpt.pending:                        # no work on ordinary steps
             for result in ckpt.drain_completed():

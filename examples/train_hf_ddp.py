@@ -43,24 +43,6 @@ def batch(seed: int, step: int, rank: int, size: int, length: int, vocab: int) -
     return (start + stride * torch.arange(length)) % vocab
 
 
-class RouterCounts:
-    """PLACEHOLDER: (layers, experts) tokens routed, from hooks on the routers."""
-
-    def __init__(self, model):
-        self.routers = [m for m in model.modules() if type(m).__name__ == "MixtralTopKRouter"]
-        self.counts = torch.zeros(len(self.routers), model.config.num_local_experts,
-                                  dtype=torch.long)
-        for i, r in enumerate(self.routers):
-            r.register_forward_hook(lambda m, a, out, i=i: self.add(i, out[2]))
-
-    def add(self, i, idx):
-        self.counts[i] += torch.bincount(idx.flatten().cpu(), minlength=self.counts.shape[1])
-
-    def take(self):
-        c, self.counts = self.counts, torch.zeros_like(self.counts)
-        return c
-
-
 def train(args: argparse.Namespace) -> None:
     moc.init_distributed()  # gloo on the CPU, nccl on CUDA; survives torchrun restarts
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,7 +66,7 @@ def train(args: argparse.Namespace) -> None:
     if report and rank == 0:
         print(f"restart {restart}: resumed from step {report.step} ({report.source}), "
               f"lost tokens {report.lost_tokens}", flush=True)
-    routing = RouterCounts(model)  # PLACEHOLDER until ckpt.watch_routing lands
+    ckpt.watch_routing(model)                   # counts routed tokens: PLT, Dynamic-K
     losses = open(args.out / "losses.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     ddp.train()
     for step in range(start + 1, args.steps + 1):
@@ -96,7 +78,6 @@ def train(args: argparse.Namespace) -> None:
         ckpt.wait_for_snapshot()                # the only place training may wait
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ckpt.record_routing(routing.take())
         ckpt.maybe_save(step, extra_state={"seed": args.seed}, final=step == args.steps)
         if ckpt.pending:                        # no work on ordinary steps
             for result in ckpt.drain_completed():

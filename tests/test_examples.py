@@ -13,11 +13,16 @@ import pytest
 
 pytestmark = pytest.mark.integration  # real processes: torchrun, ranks, persist process
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 
 
 def run(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks share the cores; no warning
+    """`python ARGV` in `cwd`, importing this tree's moc (an example's own directory is
+    its sys.path[0], not the repository)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path,
+           "OMP_NUM_THREADS": "1"}  # 2 ranks share the cores; no torchrun warning
     r = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert r.returncode == 0, f"{argv} exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}"
