@@ -44,7 +44,8 @@ def batch(seed: int, step: int, rank: int, size: int, length: int, vocab: int) -
 
 
 def train(args: argparse.Namespace) -> None:
-    moc.init_distributed()  # gloo on the CPU, nccl on CUDA; survives torchrun restarts
+    if not moc.init_distributed():  # gloo on the CPU, nccl on CUDA; survives restarts
+        sys.exit("train_hf_ddp.py: run it under torchrun (see the commands at its top)")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
