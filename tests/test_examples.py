@@ -77,3 +77,11 @@ def test_minimal_example_resumes_from_its_checkpoint_when_run_again(tmp_path):
     second = run(str(EXAMPLES / "minimal.py"), "--steps", "30", cwd=tmp_path)
     assert second.stdout.startswith("resumed from step 20, lost tokens 0"), second.stdout
     assert "step 30:" in second.stdout and "step 20:" not in second.stdout
+
+
+@pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py"])
+def test_examples_answer_help(example, tmp_path):
+    if example == "train_hf_ddp.py":
+        pytest.importorskip("transformers")
+    r = run(str(EXAMPLES / example), "--help", cwd=tmp_path)
+    assert r.stdout.startswith("usage:") and "--steps" in r.stdout
