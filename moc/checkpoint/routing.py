@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moc.checkpoint.parts import unwrap
+from moc.checkpoint.parts import EngineParts, unwrap
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
 
@@ -176,6 +176,24 @@ class RoutingRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class EngineRouting:
+    """The routed-token calls of an engine built on `EngineParts` (`moc.Checkpointer`,
+    `moc.TwoLevelCheckpointer`): both feed the parts' token ledger."""
+
+    parts: EngineParts
+
+    def record_routing(self, counts: torch.Tensor) -> None:
+        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
+        this rank routed this step. Refused while a recorder watches (double count)."""
+        self.parts.ledger.record(counts)
+
+    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
+        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
+        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
+        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
+        return RoutingRecorder(model, self.parts.spec, ledger=self.parts.ledger, **options)
 
 
 def bincount(ids: torch.Tensor, n_experts: int) -> torch.Tensor:

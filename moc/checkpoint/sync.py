@@ -66,7 +66,7 @@ from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.plan.units import Wanted, rank_share
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
-from moc.checkpoint.routing import RoutingRecorder
+from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store import format as tensor_files
@@ -104,7 +104,7 @@ class ShardedPlacement:
         return {k: state[k] for k in rank_share(ctx.state, ctx.groups.layout, state, wanted)}
 
 
-class Checkpointer(CheckpointEngine):
+class Checkpointer(EngineRouting, CheckpointEngine):
     """Partial experts checkpointing (PEC) with fully sharded writes, synchronous: `save`
     writes this rank's share of the step straight to storage and returns once the step
     is committed (or found incomplete); its result is then in `drain_completed()`.
@@ -142,17 +142,6 @@ class Checkpointer(CheckpointEngine):
         self._final = False  # whether the newest committed checkpoint was a final one
 
     # -- the training loop's calls -------------------------------------------------------
-
-    def record_routing(self, counts: torch.Tensor) -> None:
-        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
-        this rank routed this step. Refused while a recorder watches (double count)."""
-        self.parts.ledger.record(counts)
-
-    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
-        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
-        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
-        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
-        return RoutingRecorder(model, self.spec, ledger=self.parts.ledger, **options)
 
     def wait_for_snapshot(self) -> None:
         """Nothing to wait for: a synchronous save is complete when it returns."""

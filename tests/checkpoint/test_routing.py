@@ -332,10 +332,22 @@ def test_observe_counts_a_router_that_cannot_be_hooked():
         recorder.observe(2, torch.tensor([0]))
 
 
+class Scores(nn.Module):
+    """A router returning (logits, probabilities): no ids, no top_k to take them."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.softmax(-1)
+
+
 def test_a_router_whose_output_cannot_be_read_says_how_to_plug_it():
-    model = nn.Sequential(Chooser(), Chooser())
-    recorder = RoutingRecorder(model, routers={0: model[0].experts[0]})
-    with pytest.raises(TypeError, match="indices=fn"):
+    model = nn.Sequential(Chooser(), Chooser(), Scores()).train()
+    recorder = RoutingRecorder(model, routers={0: model[0].choose, 1: model[2]})
+    with pytest.raises(ValueError, match=r"no top_k is known: pass watch_routing\(model, "
+                                         r"top_k=k\)"):
+        model(torch.randn(2, 8))
+    recorder.remove()
+    recorder = RoutingRecorder(model, routers={1: model[2]})
+    with pytest.raises(TypeError, match=r"cannot read the experts Scores chose.*indices=fn"):
         model(torch.randn(2, 8))
     recorder.remove()
     model(torch.randn(2, 8))  # the hooks are gone

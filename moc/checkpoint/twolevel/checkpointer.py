@@ -75,7 +75,7 @@ from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
-from moc.checkpoint.routing import RoutingRecorder
+from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
@@ -127,7 +127,7 @@ class _InFlight:
             k_snapshot_chosen=o.k_snapshot_chosen)
 
 
-class TwoLevelCheckpointer(CheckpointEngine):
+class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     """Two-level checkpointing on one node (MoC-System's): `save` returns at once; a
     snapshot thread copies the state into node-local shared memory behind the next
     forward and backward, and a persist process writes the partial (K_persist) share
@@ -205,17 +205,6 @@ class TwoLevelCheckpointer(CheckpointEngine):
         return client or PersistClient(self.job, p.root, p.groups.rank, generation)
 
     # -- the training loop's calls -------------------------------------------------------
-
-    def record_routing(self, counts: torch.Tensor) -> None:
-        """The manual alternative to `watch_routing`: (MoE layers, global experts) tokens
-        this rank routed this step. Refused while a recorder watches (double count)."""
-        self.parts.ledger.record(counts)
-
-    def watch_routing(self, model: nn.Module, **options: Any) -> RoutingRecorder:
-        """Count routed tokens by forward hooks on `model`'s routers, for PLT and
-        Dynamic-K, instead of calling `record_routing`: once, before the loop. Options:
-        `RoutingRecorder`'s (`routers`, `indices`, `top_k`); `remove()` ends it."""
-        return RoutingRecorder(model, self.spec, ledger=self.parts.ledger, **options)
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None, *,
              final: bool = False) -> None:
