@@ -248,6 +248,7 @@ class Trainer:
                 for res in ckpt.drain_completed():
                     note = self._report(result, res, progress)
             progress.update(self.step, loss, note)
+        progress.close()  # a run resumed at its last step never reached an update
         if self.checkpointer is not None:
             self.checkpointer.flush()
             for res in self.checkpointer.drain_completed():
