@@ -132,7 +132,7 @@ class RoutingRecorder:
             if indices is not None:
                 counts_E = bincount(indices(module, inputs, output), n_experts)
             elif hooked.returns_counts:
-                counts_E = output[-1]
+                counts_E = block_counts(module, output, n_experts)
             else:
                 counts_E = read_counts(module, output, n_experts, k)
             ledger.record_layer(layer, counts_E)
@@ -206,6 +206,19 @@ def bincount(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     flat = ids.reshape(-1).long()
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
+
+
+def block_counts(module: nn.Module, output: Any, n_experts: int) -> torch.Tensor:
+    """The (E,) counts a block with a `router` returns last (moc's MoE); checked on
+    shapes and dtypes only (no sync)."""
+    last = output[-1] if isinstance(output, tuple) and output else None
+    if not (_is_int(last) and tuple(last.shape) == (n_experts,)):
+        raise TypeError(
+            f"{type(module).__name__} has a `router` but does not return its (E,) counts "
+            "last, as moc's MoE does; pass watch_routing(model, routers={layer: "
+            "block.router, ...}, indices=fn) with fn(module, inputs, output) -> LongTensor "
+            "of global expert ids")
+    return last
 
 
 def read_counts(module: nn.Module, output: Any, n_experts: int, top_k: int | None

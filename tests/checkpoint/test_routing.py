@@ -353,6 +353,22 @@ def test_a_router_whose_output_cannot_be_read_says_how_to_plug_it():
     model(torch.randn(2, 8))  # the hooks are gone
 
 
+class RouterBlock(Chooser):
+    """A block with a `router` child (as moc's MoE) that returns only its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = self.choose
+
+
+def test_a_block_with_a_router_but_no_counts_says_how_to_plug_it():
+    model = nn.Sequential(RouterBlock(), RouterBlock()).train()
+    RoutingRecorder(model)
+    with pytest.raises(TypeError, match=r"RouterBlock has a `router` but does not return "
+                                        r"its \(E,\) counts.*indices=fn"):
+        model(torch.randn(2, 8))
+
+
 # -- the engine's side: one source of counts, no false warning ------------------------------
 
 def test_record_routing_while_watching_is_refused_and_remove_ends_watching(tmp_path):

@@ -119,7 +119,8 @@ def load_aware(ctx: SelectionContext) -> list[list[int]]:
     longest ago, then to the lower id (deterministic on every rank)."""
     if ctx.unsaved_tokens is None:
         raise ValueError("load-aware selection needs routed token counts: call "
-                         "Checkpointer.record_routing(counts) every step")
+                         "ckpt.watch_routing(model) before the loop, or "
+                         "ckpt.record_routing(counts) every step")
     N, K = ctx.n_experts, min(ctx.k, ctx.n_experts)
     out = []
     for m in range(ctx.n_moe_layers):

@@ -1,7 +1,8 @@
 """Routed-token accounting, the Proportion of Lost Tokens (PLT) and Dynamic-K: one owner.
 
-Each step the trainer hands `record_routing` the tokens this rank routed to every
-(MoE layer, global expert). The counts stay local (one tensor add, no communication) and
+Each step the ledger receives the tokens this rank routed to every (MoE layer, global
+expert): from the loop's `record_routing`, or from a `RoutingRecorder`'s hooks as the
+forward runs (`watch_routing`). The counts stay local (one tensor add, no communication) and
 are summed over ranks only at a checkpoint. Every manifest carries, per (layer, expert):
 
     cumulative  assignments routed to the expert from the start of the run to this step
@@ -19,8 +20,7 @@ Dynamic-K (paper, sec. 3): after each recovery, if the PLT lost since K last cha
 exceeds the threshold, K doubles (up to N). Every kind of recovery (from memory, from
 storage, mixed) accounts through `TokenLedger.recover`, so they cannot disagree.
 
-Counts come from `record_routing` or, added per MoE layer as the forward runs, from a
-`RoutingRecorder`'s hooks (`watch_routing`, moc/checkpoint/routing.py); never both.
+One source only: `record` refuses while a recorder watches (it would count twice).
 
 Without counts (the loop never called `record_routing`, no recorder watched) nothing
 says what a recovery that restored older experts lost: its PLT is unknown (None), never
@@ -61,11 +61,12 @@ class PLTReport:
 class TokenLedger:
     """Token counts, PLT and K_pec of one run.
 
-    Owners: `record` and `take_pending` (this rank's counts of the current interval)
-    belong to the caller's thread, which trains; everything else (the counts summed
-    over ranks, lost tokens, K) to whoever runs the checkpoint's plan: the caller's
-    thread in the synchronous engine, the snapshot thread in the two-level one (whose
-    caller touches it only when no plan runs: after `wait_for_snapshot`).
+    Owners: `record`, `record_layer`, `watch` and `take_pending` (this rank's counts of
+    the current interval) belong to the caller's thread, which trains; everything else
+    (the counts summed over ranks, lost tokens, K) to whoever runs the checkpoint's
+    plan: the caller's thread in the synchronous engine, the snapshot thread in the
+    two-level one (whose caller touches it only when no plan runs: after
+    `wait_for_snapshot`).
     """
 
     n_moe_layers: int
