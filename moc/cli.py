@@ -44,13 +44,19 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
                              f"{cfg.preset}; use at most {cfg.model.n_experts}, or 'all'")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, complete_dcp_steps
+        from moc.checkpoint.store.backend import ObjectPath, open_root
 
-        root = Path(cfg.ckpt_dir)
+        root = open_root(cfg.ckpt_dir)  # a URL: an object store (ValueError if unknown)
+        if isinstance(root, ObjectPath) and cfg.ckpt_mode in DCP_MODES:
+            raise ValueError(f"--ckpt-mode {cfg.ckpt_mode} (a DCP baseline) writes a local "
+                             f"directory; --ckpt-dir {root} is an object store: use "
+                             "--ckpt-mode moc, pec or blocking there")
         if cfg.ckpt_mode != "none":
             from moc.checkpoint.store.lock import DirectoryLock
 
             DirectoryLock.acquire(root).release()  # another job's: one line, no workers
-        steps, dcp_steps = complete_steps(root), complete_dcp_steps(root)
+        steps = complete_steps(root)
+        dcp_steps = [] if isinstance(root, ObjectPath) else complete_dcp_steps(root)
         dcp = cfg.ckpt_mode in DCP_MODES
         # Each kind of checkpointer sees only its own steps: given the other kind's, a
         # run would silently start over.
@@ -62,7 +68,7 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
         # `.metadata`, which moc's own code never does (see moc.baselines.dcp); the
         # restore reports a different model on every rank instead.
         if steps and not dcp:
-            Manifest.load(Path(cfg.ckpt_dir), steps[-1]).check_model(
+            Manifest.load(root, steps[-1]).check_model(
                 cfg.model.to_dict(), f"checkpoint {cfg.ckpt_dir}/step-{steps[-1]:08d}")
 
 

@@ -25,6 +25,7 @@ from moc.checkpoint.errors import (
 )
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
 
@@ -36,7 +37,7 @@ MAX_REASONS_SHOWN = 10
 first few name the problem as well as all of them would (VerifyReport keeps them all)."""
 
 
-def _steps_of(root: Path) -> list[int]:
+def _steps_of(root: Path | ObjectPath) -> list[int]:
     """Complete steps of `root`; ValueError (bad user input) when there are none."""
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass a checkpoint directory "
@@ -138,7 +139,7 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
     skips unreadable manifests too), None if there is none. Raises ValueError when `root` is
     missing or holds no complete step.
     """
-    root = Path(root)
+    root = open_root(root)
     steps = []
     newest: Manifest | None = None
     for step in _steps_of(root):
@@ -258,7 +259,7 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     run lists everything that is wrong. Raises ValueError when `root` is missing or
     holds no complete step.
     """
-    root = Path(root)
+    root = open_root(root)
     report = VerifyReport(root)
     # (file, key) -> read back intact. Partial chains name the same pair in many
     # manifests; it is read once.
