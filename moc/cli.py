@@ -173,14 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser("inspect", help="list a checkpoint directory's steps, the "
                              "experts each saved and how old every expert's copy is; "
                              "exit 1 if a step's manifest is CORRUPT (then run verify)")
-    inspect.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    inspect.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
+                         "store URL (s3://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="one JSON document instead")
     verify = sub.add_parser("verify", help="re-check every checksum and file size; exit 1 "
                             "if anything is corrupt or missing")
-    verify.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    verify.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
+                        "store URL (s3://bucket/prefix)")
     bench = sub.add_parser("bench", add_help=False,
-                           help="benchmarks: `moc bench {size,overhead,accuracy} --help`")
-    bench.add_argument("what", choices=["size", "overhead", "accuracy"])
+                           help="benchmarks: `moc bench {size,overhead,accuracy,persist} "
+                                "--help`")
+    bench.add_argument("what", choices=["size", "overhead", "accuracy", "persist"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     simulate = sub.add_parser("simulate", add_help=False,
                               help="effective training time and the best checkpoint "
@@ -188,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("rest", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print("usage: moc bench {size,overhead,accuracy} [options]\n\n"
+        print("usage: moc bench {size,overhead,accuracy,persist} [options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
-              "  accuracy  validation loss and PLT under recurring faults\n\n"
+              "  accuracy  validation loss and PLT under recurring faults\n"
+              "  persist   persist time to an S3 server vs local disk, K=1 and K=N\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:

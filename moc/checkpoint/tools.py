@@ -39,9 +39,15 @@ first few name the problem as well as all of them would (VerifyReport keeps them
 
 def _steps_of(root: Path | ObjectPath) -> list[int]:
     """Complete steps of `root`; ValueError (bad user input) when there are none."""
-    if not root.is_dir():
-        raise ValueError(f"{root} is not a directory; pass a checkpoint directory "
-                         "(the --ckpt-dir of a training run)")
+    try:
+        found = root.is_dir()
+    except OSError as e:  # an object store that cannot be reached: say which, and why
+        raise ValueError(f"cannot read {root}: {e}; check AWS_ENDPOINT_URL and the "
+                         "credentials in the environment") from None
+    if not found:
+        what = ("holds no objects" if isinstance(root, ObjectPath) else "is not a directory")
+        raise ValueError(f"{root} {what}; pass a checkpoint directory (the --ckpt-dir of a "
+                         "training run)")
     steps = complete_steps(root)
     if not steps:
         raise ValueError(f"{root} holds no complete checkpoint step (no "

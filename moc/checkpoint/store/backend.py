@@ -55,7 +55,12 @@ one ranged GET fetches several small tensors; large ones are read in a few reque
 CONDITIONAL_PUT = ("s3",)
 """Protocols whose store refuses a put over an existing object (If-None-Match: *)."""
 
-_fs: dict[tuple[int, str], Any] = {}
+CLIENT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_PROFILE",
+              "AWS_DEFAULT_REGION", "GOOGLE_APPLICATION_CREDENTIALS")
+"""The environment a client is built from: a change makes a new client (tests point one
+process at several endpoints)."""
+
+_fs: dict[tuple[Any, ...], Any] = {}
 _fs_mutex = threading.Lock()
 
 
@@ -84,7 +89,8 @@ def open_root(directory: str | Path | ObjectPath) -> Path | ObjectPath:
 
 def filesystem(protocol: str) -> Any:
     """This process's fsspec file system for `protocol` (created on first use)."""
-    key = (os.getpid(), protocol)  # a forked child must not share its parent's client
+    # A forked child must not share its parent's client (its event loop and sockets).
+    key = (os.getpid(), protocol, *(os.environ.get(k) for k in CLIENT_ENV))
     with _fs_mutex:
         fs = _fs.get(key)
         if fs is None:

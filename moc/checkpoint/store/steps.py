@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -47,6 +48,10 @@ RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
 entry cannot point outside its step directory (no `/`, no `..`, not absolute)."""
 RANK_FILE_PATTERN = "rank-NNNNN.safetensors"
 """RANK_FILE_RE as error messages name it."""
+FAULT_BEFORE_MANIFEST_ENV = "MOC_FAULT_BEFORE_MANIFEST"
+"""Fault injection for tests and drills: the process committing this step number to an
+object store SIGKILLs itself after every object is confirmed and before the manifest is
+written (the crash the commit protocol must survive)."""
 SUPERSEDED = "manifest.superseded.json"
 """What retention renames a demoted step's manifest.json to (`store.retention`)."""
 
@@ -265,6 +270,8 @@ def _commit_object_step(root: ObjectPath, step: int, manifest_json: str) -> Obje
         if size is not None and found[name] != size:
             raise OSError(f"{d / name}: the store holds {found[name]} bytes, {size} were "
                           f"written; the step is left uncommitted")
+    if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
     (d / MANIFEST).write_confirmed(manifest_json.encode())
     return d
 
