@@ -10,7 +10,8 @@ import pytest
 import moc
 
 COMMANDS = [["train"], ["demo"], ["inspect"], ["verify"], ["bench"], ["bench", "size"],
-            ["bench", "overhead"], ["bench", "accuracy"], ["simulate"]]
+            ["bench", "overhead"], ["bench", "accuracy"], ["bench", "persist"],
+            ["simulate"]]
 
 
 @pytest.mark.integration
