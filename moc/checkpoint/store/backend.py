@@ -217,10 +217,14 @@ class ObjectPath:
     def is_dir(self) -> bool:
         """Whether any object lies under this prefix (a bucket alone counts when it
         exists: an empty prefix in it is a fresh checkpoint directory)."""
-        if "/" not in self.key:
-            with storage_errors(f"cannot reach {self}"):
+        with storage_errors(f"cannot reach {self}"):
+            if "/" not in self.key:
                 return bool(self.fs.exists(self.fs_key))
-        return bool(self.listing())
+            self.fs.invalidate_cache(self.fs_key)
+            try:  # one delimited listing request, not a listing of every object
+                return bool(self.fs.ls(self.fs_key, detail=False))
+            except FileNotFoundError:
+                return False
 
     def exists(self) -> bool:
         return self.is_file() or self.is_dir()
@@ -256,15 +260,19 @@ class ObjectPath:
     def open_write(self) -> Iterator[IO[bytes]]:
         """A file object whose bytes become this object when the block ends, confirmed:
         the size the store reports must be what was written (OSError otherwise)."""
-        with storage_errors(f"could not write {self}"):
+        what = f"could not write {self}"
+        with storage_errors(what):
             f = self.fs.open(self.fs_key, "wb")
-            counter = _Counting(f)
-            try:
-                yield counter  # type: ignore[misc]
-            except BaseException:
+        counter = _Counting(f, what)
+        try:
+            yield counter  # type: ignore[misc]
+        except BaseException:
+            discard = getattr(f, "discard", None)  # abort a multipart upload: no object
+            if discard is not None:
                 with contextlib.suppress(Exception):
-                    f.discard() if hasattr(f, "discard") else None
-                raise
+                    discard()
+            raise
+        with storage_errors(what):
             f.close()  # blocks until the last part is uploaded: its errors raise here
         self.confirm(counter.n)
 
@@ -329,16 +337,20 @@ class ObjectPath:
 
 
 class _Counting:
-    """A write-only file that counts the bytes passed through it."""
+    """A write-only file that counts the bytes passed through it; the store's errors
+    (a part upload fails inside `write`) are OSErrors saying what was being written,
+    the caller's own errors pass unchanged."""
 
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.n = f, 0
+    def __init__(self, f: IO[bytes], what: str) -> None:
+        self.f, self.n, self.what = f, 0, what
 
     def write(self, data: Any) -> int:
         n = memoryview(data).nbytes
-        self.f.write(data)
+        with storage_errors(self.what):
+            self.f.write(data)
         self.n += n
         return n
 
     def flush(self) -> None:
-        self.f.flush()
+        with storage_errors(self.what):
+            self.f.flush()

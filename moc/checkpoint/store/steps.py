@@ -56,11 +56,11 @@ SUPERSEDED = "manifest.superseded.json"
 """What retention renames a demoted step's manifest.json to (`store.retention`)."""
 
 
-def step_dir(root: Path, step: int) -> Path:
+def step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     return open_root(root) / f"step-{step:08d}"
 
 
-def tmp_dir(root: Path, step: int) -> Path:
+def tmp_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     """Where a step's files are written before the commit: `step-N.tmp/`, or in an
     object store (no rename) `step-N/` itself, which has no manifest until the commit."""
     root = open_root(root)
@@ -77,7 +77,7 @@ def is_rank_file(name: object) -> bool:
     return isinstance(name, str) and RANK_FILE_RE.match(name) is not None
 
 
-def checked_step_dir(root: Path, step: int) -> Path:
+def checked_step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     """`step_dir(root, step)`, which must be a real directory inside `root`: a symbolic
     link would make the step's files (and its manifest) those of another directory,
     read with this checkpoint's trust. Raises CorruptCheckpointError otherwise."""
@@ -107,7 +107,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def begin_step(root: Path, step: int) -> Path:
+def begin_step(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     """Create an empty `step-N.tmp/` (discarding an abandoned one) and return it."""
     root = open_root(root)
     if isinstance(root, ObjectPath):
@@ -120,7 +120,8 @@ def begin_step(root: Path, step: int) -> Path:
     return tmp
 
 
-def commit_step(root: Path, step: int, manifest_json: str) -> Path:
+def commit_step(root: Path | ObjectPath, step: int, manifest_json: str
+                ) -> Path | ObjectPath:
     """Write the manifest into `step-N.tmp/` and atomically publish the step.
 
     Never overwrites the only good copy: a complete step of the same number (a step
@@ -150,7 +151,7 @@ def commit_step(root: Path, step: int, manifest_json: str) -> Path:
     return final
 
 
-def complete_steps(root: Path) -> list[int]:
+def complete_steps(root: Path | ObjectPath) -> list[int]:
     """Steps with a manifest, oldest first. Directories without one are never read."""
     root = open_root(root)
     if isinstance(root, ObjectPath):
@@ -165,7 +166,7 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def remove_abandoned(root: Path) -> list[Path]:
+def remove_abandoned(root: Path | ObjectPath) -> list[Path] | list[ObjectPath]:
     """Delete `.tmp` directories left by an interrupted save.
 
     A `.replaced` directory is the previous copy of a step that was being re-committed;
