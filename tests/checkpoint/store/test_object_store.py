@@ -135,6 +135,40 @@ def test_two_level_persists_to_s3_from_the_persist_process_and_restores_bitwise(
     _assert_same((model, opt), fresh)
 
 
+@pytest.mark.integration
+def test_a_persist_process_killed_before_the_manifest_leaves_that_step_unread(
+        s3_url, tmp_path, monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv(FAULT_BEFORE_MANIFEST_ENV, "4")  # inherited by the persist process
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, s3_url, policy=PECPolicy(k=None), interval=2,
+                                persist_policy="wait", k_snapshot="all")
+    first = ckpt.persist.process
+    results = []
+    for step in range(1, 9):
+        ckpt.wait_for_snapshot()
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.maybe_save(step, {"step": step})
+        results += ckpt.drain_completed()
+    ckpt.flush()
+    results += ckpt.drain_completed()
+    root = open_root(s3_url)
+    steps_before_close = complete_steps(s3_url)
+    objects_of_4 = set(object_steps(root).get(4, {}))
+    ckpt.close()
+    assert first.returncode == -signal.SIGKILL  # killed itself at step 4's commit
+    assert ckpt.persist.process is not first  # restarted for the steps after it
+    assert {r.step: r.error is None for r in results} == {2: True, 4: False, 6: True,
+                                                          8: True}
+    assert steps_before_close == [2, 6, 8] and objects_of_4 == {rank_file(0)}
+    report, fresh = _restored(s3_url)  # the restore removes step 4's objects
+    assert report.step == 8
+    _assert_same((model, opt), fresh)
+    assert 4 not in object_steps(root) and verify_checkpoints(s3_url).ok
+
+
 # -- the commit protocol -------------------------------------------------------------------
 
 CRASHING_SAVE = textwrap.dedent("""
