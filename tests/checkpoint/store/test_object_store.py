@@ -336,3 +336,21 @@ def test_an_unknown_protocol_is_a_value_error():
         open_root("nosuch://bucket/run")
     assert open_root("file:///tmp/x") == open_root("/tmp/x")
     assert isinstance(open_root("memory://b/p"), ObjectPath)
+
+
+def test_two_level_refuses_a_memory_store_its_persist_process_cannot_see(tmp_path,
+                                                                        monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    url = f"memory://moc-test-{os.getpid()}/two-level"
+    with pytest.raises(ValueError, match="memory:// store lives in one process"):
+        TwoLevelCheckpointer(*_build(0), url)
+    DirectoryLock.acquire(url).release()  # the refused engine left no lock behind
+
+
+def test_moc_train_refuses_a_dcp_baseline_on_an_object_store(s3_url):
+    r = subprocess.run([sys.executable, "-m", "moc", "train", "--ckpt-mode", "dcp-sync",
+                        "--ckpt-dir", s3_url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "writes a local directory" in r.stderr
