@@ -44,13 +44,19 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
                              f"{cfg.preset}; use at most {cfg.model.n_experts}, or 'all'")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, complete_dcp_steps
+        from moc.checkpoint.store.backend import ObjectPath, open_root
 
-        root = Path(cfg.ckpt_dir)
+        root = open_root(cfg.ckpt_dir)  # a URL: an object store (ValueError if unknown)
+        if isinstance(root, ObjectPath) and cfg.ckpt_mode in DCP_MODES:
+            raise ValueError(f"--ckpt-mode {cfg.ckpt_mode} (a DCP baseline) writes a local "
+                             f"directory; --ckpt-dir {root} is an object store: use "
+                             "--ckpt-mode moc, pec or blocking there")
         if cfg.ckpt_mode != "none":
             from moc.checkpoint.store.lock import DirectoryLock
 
             DirectoryLock.acquire(root).release()  # another job's: one line, no workers
-        steps, dcp_steps = complete_steps(root), complete_dcp_steps(root)
+        steps = complete_steps(root)
+        dcp_steps = [] if isinstance(root, ObjectPath) else complete_dcp_steps(root)
         dcp = cfg.ckpt_mode in DCP_MODES
         # Each kind of checkpointer sees only its own steps: given the other kind's, a
         # run would silently start over.
@@ -62,7 +68,7 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
         # `.metadata`, which moc's own code never does (see moc.baselines.dcp); the
         # restore reports a different model on every rank instead.
         if steps and not dcp:
-            Manifest.load(Path(cfg.ckpt_dir), steps[-1]).check_model(
+            Manifest.load(root, steps[-1]).check_model(
                 cfg.model.to_dict(), f"checkpoint {cfg.ckpt_dir}/step-{steps[-1]:08d}")
 
 
@@ -159,7 +165,7 @@ def _print(text: str) -> int | None:
     return None
 
 
-BENCHMARKS = ("size", "overhead", "accuracy")
+BENCHMARKS = ("size", "overhead", "accuracy", "persist")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
 
@@ -176,11 +182,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     inspect = sub.add_parser("inspect", help="list a checkpoint directory's steps, the "
                              "experts each saved and how old every expert's copy is; "
                              "exit 1 if a step's manifest is CORRUPT (then run verify)")
-    inspect.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    inspect.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
+                         "store URL (s3://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="one JSON document instead")
     verify = sub.add_parser("verify", help="re-check every checksum and file size; exit 1 "
                             "if anything is corrupt or missing")
-    verify.add_argument("dir", type=Path, help="checkpoint directory (--ckpt-dir)")
+    verify.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
+                        "store URL (s3://bucket/prefix)")
     bench = sub.add_parser("bench", add_help=False,
                            help=f"benchmarks: `moc bench {{{','.join(BENCHMARKS)}}} --help`")
     bench.add_argument("what", choices=BENCHMARKS)
@@ -196,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print("usage: moc bench {size,overhead,accuracy} [options]\n\n"
+        print("usage: moc bench {size,overhead,accuracy,persist} [options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
-              "  accuracy  validation loss and PLT under recurring faults\n\n"
+              "  accuracy  validation loss and PLT under recurring faults\n"
+              "  persist   persist time to an S3 server vs local disk, K=1 and K=N\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:

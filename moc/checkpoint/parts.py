@@ -23,6 +23,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.state import RankState, as_optimizer_state, default_model_meta
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.identity import ensure_run_id
 from moc.checkpoint.store.lock import DirectoryLock
 from moc.checkpoint.store.retention import BackgroundRetention
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineParts:
-    root: Path
+    root: Path | ObjectPath
     spec: ExpertSpec
     groups: ParallelGroups
     dist: Dist
@@ -77,7 +78,7 @@ class EngineParts:
                              "experts per MoE layer; use k <= n_experts, or k=None for all")
         failures = FailurePolicy(max_failures, groups.rank)
         state = RankState(model, as_optimizer_state(optimizer, model), spec, groups.rank)
-        root = Path(directory)
+        root = open_root(directory)  # a Path, or an ObjectPath for a URL
         dist = Dist(groups)
         lock, run_id, failed = None, None, None
         if groups.rank == 0:

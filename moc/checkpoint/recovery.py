@@ -31,6 +31,7 @@ from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpoint
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import TensorReader
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import (
@@ -84,10 +85,10 @@ def restore_loop(candidates: Iterable[C], attempt: Callable[[C], T], dist: Dist,
 class CheckpointReader:
     """Reads keys of one manifest, verifying each against its checksum."""
 
-    def __init__(self, root: Path, manifest: Manifest) -> None:
-        self.root = Path(root)
+    def __init__(self, root: Path | ObjectPath, manifest: Manifest) -> None:
+        self.root = open_root(root)
         self.manifest = manifest
-        self._readers: dict[Path, TensorReader] = {}
+        self._readers: dict[Path | ObjectPath, TensorReader] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.manifest.entries

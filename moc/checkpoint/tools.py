@@ -25,6 +25,7 @@ from moc.checkpoint.errors import (
 )
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
 
@@ -36,11 +37,17 @@ MAX_REASONS_SHOWN = 10
 first few name the problem as well as all of them would (VerifyReport keeps them all)."""
 
 
-def _steps_of(root: Path) -> list[int]:
+def _steps_of(root: Path | ObjectPath) -> list[int]:
     """Complete steps of `root`; ValueError (bad user input) when there are none."""
-    if not root.is_dir():
-        raise ValueError(f"{root} is not a directory; pass a checkpoint directory "
-                         "(the --ckpt-dir of a training run)")
+    try:
+        found = root.is_dir()
+    except OSError as e:  # an object store that cannot be reached: say which, and why
+        raise ValueError(f"cannot read {root}: {e}; check AWS_ENDPOINT_URL and the "
+                         "credentials in the environment") from None
+    if not found:
+        what = ("holds no objects" if isinstance(root, ObjectPath) else "is not a directory")
+        raise ValueError(f"{root} {what}; pass a checkpoint directory (the --ckpt-dir of a "
+                         "training run)")
     steps = complete_steps(root)
     if not steps:
         raise ValueError(f"{root} holds no complete checkpoint step (no "
@@ -138,7 +145,7 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
     skips unreadable manifests too), None if there is none. Raises ValueError when `root` is
     missing or holds no complete step.
     """
-    root = Path(root)
+    root = open_root(root)
     steps = []
     newest: Manifest | None = None
     for step in _steps_of(root):
@@ -258,7 +265,7 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     run lists everything that is wrong. Raises ValueError when `root` is missing or
     holds no complete step.
     """
-    root = Path(root)
+    root = open_root(root)
     report = VerifyReport(root)
     # (file, key) -> read back intact. Partial chains name the same pair in many
     # manifests; it is read once.

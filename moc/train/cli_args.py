@@ -25,7 +25,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--batch-size", type=int, help="sequences per rank per step")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--data", help="text file or directory (default: Python stdlib sources)")
-    p.add_argument("--ckpt-dir", help="checkpoint directory; resumes from it when it holds one")
+    p.add_argument("--ckpt-dir", help="checkpoint directory, or an object store URL "
+                                      "(s3://bucket/prefix; endpoint and credentials from "
+                                      "AWS_* variables); resumes from it when it holds one")
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
     p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="moc",
                    help="moc (default): PEC + sharding + two levels; pec: synchronous PEC; "

@@ -23,6 +23,10 @@ of dtype or shape (in the header and the manifest alike) fails it, and a CRC32 o
 bytes taken earlier (the two-level snapshot takes them in shared memory) is extended
 without reading the bytes again (`checksum`). Version 1 recorded the CRC32 of the bytes
 alone; `moc.checkpoint.store.manifest` converts those on load.
+
+Object stores (`store.backend.ObjectPath`): the same bytes are streamed into one object,
+whose size is confirmed with the store after the upload; the reader makes the same
+checks over ranged reads of the object instead of `preadv`.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from moc.checkpoint.errors import CorruptCheckpointError
+from moc.checkpoint.store.backend import ObjectPath
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -110,8 +115,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % ALIGN)
-    records = {}
-    with open(path, "wb") as f:
+    records: dict[str, TensorRecord] = {}
+
+    def stream(f: IO[bytes]) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for key, t in tensors.items():
@@ -120,6 +126,13 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
             data_crc = crcs[key] if crcs is not None else zlib.crc32(data)
             dtype, shape = DTYPES[t.dtype], tuple(t.shape)
             records[key] = TensorRecord(dtype, shape, checksum(dtype, shape, data_crc))
+
+    if isinstance(path, ObjectPath):
+        with path.open_write() as f:  # blocks until uploaded and its size confirmed
+            stream(f)
+        return records
+    with open(path, "wb") as f:
+        stream(f)
         f.flush()
         os.fsync(f.fileno())  # blocks until the bytes are on disk, not in the page cache
     return records
@@ -146,9 +159,24 @@ class TensorReader:
     files are its own.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | ObjectPath) -> None:
         self._fd = -1
+        self._object: IO[bytes] | None = None
+        if isinstance(path, ObjectPath):
+            self.path: Path | ObjectPath = path
+            try:
+                self._object = path.open_read()
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{path}: object is missing") from None
+            except OSError as e:
+                raise CorruptCheckpointError(f"{path}: cannot open ({e})") from None
+            try:
+                self._tensors = self._parse_header()
+            except BaseException:
+                self.close()
+                raise
+            return
+        self.path = Path(path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -167,6 +195,9 @@ class TensorReader:
             raise
 
     def close(self) -> None:
+        obj, self._object = getattr(self, "_object", None), None
+        if obj is not None:
+            obj.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -179,17 +210,32 @@ class TensorReader:
                                       "safetensors file written by moc")
 
     def _pread(self, n: int, offset: int) -> bytes:
-        data = os.pread(self._fd, n, offset)
+        data = (self._object_read(n, offset) if self._object is not None
+                else os.pread(self._fd, n, offset))
         if len(data) != n:
             raise self._corrupt(f"ends at byte {offset + len(data)}, {n} bytes expected "
                                 f"from byte {offset}")
         return data
 
+    def _object_read(self, n: int, offset: int) -> bytes:
+        assert self._object is not None
+        try:
+            self._object.seek(offset)
+            return self._object.read(n)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{self.path}: cannot read ({e})") from None
+        except Exception as e:  # the client's own errors (connection, ...): never lost
+            raise CorruptCheckpointError(f"{self.path}: cannot read ({type(e).__name__}: "
+                                         f"{e})") from None
+
     def _parse_header(self) -> dict[str, _Declared]:
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise self._corrupt("not a regular file")
-        size = st.st_size
+        if self._object is not None:
+            size = int(self._object.size)  # type: ignore[attr-defined]
+        else:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._corrupt("not a regular file")
+            size = st.st_size
         if size < 8:
             raise self._corrupt(f"{size} bytes, shorter than a safetensors header length")
         (n,) = struct.unpack("<Q", self._pread(8, 0))
@@ -269,6 +315,9 @@ class TensorReader:
         buf = torch.empty(d.nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         done = 0
+        if self._object is not None and d.nbytes:
+            view[:] = self._pread(d.nbytes, d.begin)  # blocks until the bytes are read
+            done = d.nbytes
         while done < d.nbytes:  # blocks until this tensor's bytes are read
             n = os.preadv(self._fd, [view[done:done + READ_CHUNK]], d.begin + done)
             if n <= 0:

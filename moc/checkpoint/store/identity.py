@@ -18,13 +18,14 @@ import secrets
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.backend import ObjectPath, open_root
 
 RUN_FILE = "moc-run.json"
 
 
 def read_run_id(root: Path) -> str | None:
     """The directory's run id; None when it has none (a fresh directory)."""
-    path = Path(root) / RUN_FILE
+    path = open_root(root) / RUN_FILE
     try:
         d = json.loads(path.read_text())
     except FileNotFoundError:
@@ -43,11 +44,15 @@ def read_run_id(root: Path) -> str | None:
 def ensure_run_id(root: Path) -> str | None:
     """The directory's run id, created (atomically) when it has none; None when the
     directory is not writable and has none."""
-    root = Path(root)
+    root = open_root(root)
     existing = read_run_id(root)
     if existing is not None:
         return existing
     run_id = secrets.token_hex(8)
+    if isinstance(root, ObjectPath):  # created only if absent (a conditional put on s3)
+        created = (root / RUN_FILE).create_exclusive(
+            (json.dumps({"run_id": run_id}) + "\n").encode())
+        return run_id if created else read_run_id(root)
     tmp = root / f"{RUN_FILE}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps({"run_id": run_id}) + "\n")

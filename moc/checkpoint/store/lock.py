@@ -22,6 +22,15 @@ flock is advisory and local to one machine (and, on NFS, works only where the se
 supports it): it keeps moc jobs apart, it does not stop a process that ignores it.
 A directory moc cannot write (read-only) is not locked: nothing can be written into it
 by this job either, and reading needs no lock.
+
+An object store has no flock and no kernel to release a lock when its holder dies.
+There the lock is the object `<prefix>/moc.lock`, created only if absent (a conditional
+put, If-None-Match, on S3; a check then a write elsewhere, which two jobs can race) and
+deleted at release. An existing lock object is taken over only when it names a process
+on this host that is gone (a torchrun restart after a crash); one held by a live process
+here, or by any process of another host, refuses the job with DirectoryInUseError naming
+it: a lock left by a job that died on another host must be deleted by hand (the error
+says which object). docs/THREAT_MODEL.md, "Object storage".
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.backend import ObjectPath, open_root
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,9 @@ class DirectoryInUseError(CheckpointError):
 class _Held:
     fd: int
     refs: int
+    token: str | None = None
+    """An object lock's own token (its content names it): released only if it is still
+    the one in the store."""
 
 
 _held: dict[str, _Held] = {}
@@ -70,7 +83,7 @@ def _holder_info() -> dict[str, object]:
             "command": " ".join(sys.argv)[:500]}
 
 
-def describe_holder(path: Path) -> str:
+def describe_holder(path: Path | ObjectPath) -> str:
     """The holder as its lock file names it ("unknown" when unreadable)."""
     try:
         info = json.loads(path.read_text())
@@ -90,7 +103,9 @@ class DirectoryLock:
     def acquire(cls, root: Path) -> DirectoryLock:
         """Lock `root` (created if missing) for this process, or raise
         DirectoryInUseError naming the process that holds it."""
-        root = Path(root)
+        root = open_root(root)
+        if isinstance(root, ObjectPath):
+            return cls._acquire_object(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -125,6 +140,39 @@ class DirectoryLock:
             _held[key] = _Held(fd, 1)
             return cls(key)
 
+    @classmethod
+    def _acquire_object(cls, root: ObjectPath) -> DirectoryLock:
+        key = str(root)
+        with _mutex:
+            held = _held.get(key)
+            if held is not None:
+                held.refs += 1
+                return cls(key)
+            path = root / LOCK_FILE
+            token = os.urandom(8).hex()
+            info = {**_holder_info(), "token": token}
+            data = (json.dumps(info) + "\n").encode()
+            try:
+                created = path.create_exclusive(data)
+                if not created and _stale(path):
+                    log.warning("%s names a process of this host that is gone (%s); taking "
+                                "the lock over", path, describe_holder(path))
+                    path.unlink(missing_ok=True)
+                    created = path.create_exclusive(data)
+            except OSError as e:
+                raise CheckpointError(f"cannot lock the checkpoint directory {root}: {e}; "
+                                      "check the endpoint, the bucket and the credentials "
+                                      "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                                      "AWS_SECRET_ACCESS_KEY)") from None
+            if not created:
+                raise DirectoryInUseError(
+                    f"checkpoint directory {root} is in use by another job: "
+                    f"{describe_holder(path)}. A directory belongs to one job at a time; "
+                    "wait for that job to end, or use another directory. If that job is "
+                    f"gone (it ran on another host and crashed), delete {path}")
+            _held[key] = _Held(-1, 1, token)
+            return cls(key)
+
     @property
     def locked(self) -> bool:
         return self._key is not None
@@ -139,5 +187,38 @@ class DirectoryLock:
             held.refs -= 1
             if held.refs == 0:
                 del _held[key]
+                if held.token is not None:
+                    _release_object(open_root(key), held.token)
+                    return
                 with contextlib.suppress(OSError):
                     os.close(held.fd)  # closing the descriptor releases the flock
+
+
+def _stale(path: ObjectPath) -> bool:
+    """Whether an object lock names a process of this host that no longer runs."""
+    try:
+        info = json.loads(path.read_text())
+        host, pid = info["host"], int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: not ours to break
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _release_object(root: Path | ObjectPath, token: str) -> None:
+    """Delete the lock object if it is still ours; a failure is logged, not raised (the
+    next job of this host takes a stale lock over)."""
+    assert isinstance(root, ObjectPath)
+    path = root / LOCK_FILE
+    try:
+        if json.loads(path.read_text()).get("token") == token:
+            path.unlink(missing_ok=True)
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("could not release the lock %s: %s", path, e)

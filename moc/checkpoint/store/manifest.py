@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import (
     ITEM_SIZES,
     TensorRecord,
@@ -52,7 +53,7 @@ class Entry:
     crc32: int
     """The version-2 checksum of dtype, shape and bytes (`format.checksum`)."""
 
-    def path(self, root: Path) -> Path:
+    def path(self, root: Path | ObjectPath) -> Path | ObjectPath:
         return step_dir(root, self.step) / self.file
 
     @property
@@ -129,8 +130,16 @@ class Manifest:
                 "older one)") from None
 
     @classmethod
-    def load(cls, root: Path, step: int) -> Manifest:
+    def load(cls, root: Path | ObjectPath, step: int) -> Manifest:
         path = checked_step_dir(root, step) / MANIFEST
+        if isinstance(path, ObjectPath):
+            try:
+                raw = path.read_bytes(MAX_MANIFEST_BYTES)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{path}: manifest is missing") from None
+            except OSError as e:
+                raise CorruptCheckpointError(f"{path}: cannot read manifest ({e})") from None
+            return cls._decoded(raw, path, step)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
@@ -141,6 +150,10 @@ class Manifest:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: cannot read manifest ({e.strerror})") from None
+        return cls._decoded(raw, path, step)
+
+    @classmethod
+    def _decoded(cls, raw: bytes, path: Path | ObjectPath, step: int) -> Manifest:
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}: over {MAX_MANIFEST_BYTES} bytes; not a "
                                          "manifest")

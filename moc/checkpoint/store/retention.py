@@ -29,6 +29,14 @@ on disk, never a complete step whose data is gone. Deleting a step is two operat
 rename `step-N` to `step-N.deleting` (atomic; the step is gone for readers, which only
 match `step-NNNNNNNN`), then remove the files. A crash in between leaves a `.deleting`
 directory, which the next `apply_retention` removes.
+
+In an object store the same plan is applied with the operations a store has: demoting
+copies manifest.json to SUPERSEDED and then deletes manifest.json (a crash in between
+leaves both: still a complete step, demoted again next time); deleting a step deletes
+its manifest.json first (the step is then no longer complete) and then its objects. A
+prefix a crash left with neither file is abandoned, and `steps.remove_abandoned`
+deletes it at the next restore; retention leaves it alone, as it may be a save in
+progress.
 """
 
 from __future__ import annotations
@@ -42,14 +50,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.store.steps import MANIFEST, STEP_RE, fsync_dir, step_dir
+from moc.checkpoint.store.steps import (
+    MANIFEST,
+    STEP_RE,
+    SUPERSEDED,
+    fsync_dir,
+    object_steps,
+    step_dir,
+)
 
 log = logging.getLogger(__name__)
 
-SUPERSEDED = "manifest.superseded.json"
-"""What a demoted step's manifest.json is renamed to: kept for inspection (it says what
-the step once was), never read as a checkpoint."""
+# SUPERSEDED (steps.py): what a demoted step's manifest.json is renamed to; kept for
+# inspection (it says what the step once was), never read as a checkpoint.
 DELETING_SUFFIX = ".deleting"
 _DELETING_RE = re.compile(r"^step-\d{8}\.deleting$")
 
@@ -144,7 +159,14 @@ class _Listing:
     """With neither: not written by moc's commit or retention; never touched."""
 
 
-def _list_steps(root: Path) -> _Listing:
+def _list_steps(root: Path | ObjectPath) -> _Listing:
+    if isinstance(root, ObjectPath):
+        listed = object_steps(root)
+        return _Listing(sorted(s for s, n in listed.items() if MANIFEST in n),
+                        sorted(s for s, n in listed.items()
+                               if SUPERSEDED in n and MANIFEST not in n),
+                        sorted(s for s, n in listed.items()
+                               if SUPERSEDED not in n and MANIFEST not in n))
     # One pass over the directory, so each step is classified from one observation; a
     # step committed after this pass is not in the listing and is never touched.
     complete, data_only, unknown = [], [], []
@@ -162,15 +184,23 @@ def _list_steps(root: Path) -> _Listing:
     return _Listing(sorted(complete), sorted(data_only), sorted(unknown))
 
 
-def _demote_step(root: Path, step: int) -> None:
+def _demote_step(root: Path | ObjectPath, step: int) -> None:
     d = step_dir(root, step)
+    if isinstance(d, ObjectPath):
+        (d / MANIFEST).copy_to(d / SUPERSEDED)
+        (d / MANIFEST).unlink()  # confirmed gone before any step it referenced is deleted
+        return
     # replace(), not rename(): a stale SUPERSEDED left by hand must not block the demotion.
     (d / MANIFEST).replace(d / SUPERSEDED)
     fsync_dir(d)  # durably not a checkpoint before any step it referenced is deleted
 
 
-def _delete_step(root: Path, step: int) -> None:
+def _delete_step(root: Path | ObjectPath, step: int) -> None:
     src = step_dir(root, step)
+    if isinstance(src, ObjectPath):
+        (src / MANIFEST).unlink(missing_ok=True)  # not a complete step from here on
+        src.remove_tree()
+        return
     dst = root / f"{src.name}{DELETING_SUFFIX}"
     if dst.exists():  # left by an earlier crash; rename() will not replace a directory
         shutil.rmtree(dst)
@@ -211,12 +241,13 @@ def apply_retention(root: Path, keep_last: int) -> list[int]:
     by a run restarted from an older step, in a new process with its own retention.)
     """
     _check_keep_last(keep_last)
-    root = Path(root)
+    root = open_root(root)
     if not root.is_dir():
         return []
-    _remove_leftovers(root)
+    if not isinstance(root, ObjectPath):  # no `.deleting` prefixes in an object store
+        _remove_leftovers(root)
     listing = _list_steps(root)
-    if listing.unknown:
+    if listing.unknown and not isinstance(root, ObjectPath):
         log.warning("%s: step directories with neither %s nor %s are left alone (not "
                     "written by moc's commit or retention; inspect and remove them by "
                     "hand): %s", root, MANIFEST, SUPERSEDED,
@@ -260,7 +291,7 @@ class BackgroundRetention:
 
     def __init__(self, root: str | Path, keep_last: int) -> None:
         _check_keep_last(keep_last)
-        self.root = Path(root)
+        self.root = open_root(root)
         self.keep_last = keep_last
         self.deleted: list[int] = []
         """Every step deleted so far, in order (for logs and tests)."""

@@ -11,20 +11,32 @@ A step is committed by writing every file into `step-N.tmp/`, fsyncing them, wri
 and fsyncing the manifest, then renaming the directory (atomic on POSIX) and fsyncing
 the root. A crash at any point leaves either the complete step or a `.tmp` directory.
 
+In an object store (`store.backend.ObjectPath`: no rename, no fsync) the objects are
+written straight into `step-N/`, each confirmed by the size the store reports, and
+the step is committed by writing its manifest last, after every object the manifest
+names is confirmed in one listing. A prefix without a manifest is never read, and is
+deleted by the writer (`begin_step` for its own step, `remove_abandoned` at restore).
+Re-committing step N deletes N's manifest before any object of N changes
+(docs/DECISIONS.md, "Issue 13: object storage").
+
 The bytes inside a file are `moc.checkpoint.store.format`'s; who writes which file is the
 plan's; this module only names directories and moves them.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import re
 import shutil
+import signal
 import stat
 from pathlib import Path
 
 from moc.checkpoint.errors import CorruptCheckpointError
+from moc.checkpoint.store.backend import ObjectPath, open_root
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +48,25 @@ RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
 entry cannot point outside its step directory (no `/`, no `..`, not absolute)."""
 RANK_FILE_PATTERN = "rank-NNNNN.safetensors"
 """RANK_FILE_RE as error messages name it."""
+FAULT_BEFORE_MANIFEST_ENV = "MOC_FAULT_BEFORE_MANIFEST"
+"""Fault injection for tests and drills: the process committing this step number to an
+object store SIGKILLs itself after every object is confirmed and before the manifest is
+written (the crash the commit protocol must survive)."""
+SUPERSEDED = "manifest.superseded.json"
+"""What retention renames a demoted step's manifest.json to (`store.retention`)."""
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
+def step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
+    return open_root(root) / f"step-{step:08d}"
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}.tmp"
+def tmp_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
+    """Where a step's files are written before the commit: `step-N.tmp/`, or in an
+    object store (no rename) `step-N/` itself, which has no manifest until the commit."""
+    root = open_root(root)
+    if isinstance(root, ObjectPath):
+        return step_dir(root, step)
+    return root / f"step-{step:08d}.tmp"
 
 
 def rank_file(rank: int) -> str:
@@ -54,11 +77,13 @@ def is_rank_file(name: object) -> bool:
     return isinstance(name, str) and RANK_FILE_RE.match(name) is not None
 
 
-def checked_step_dir(root: Path, step: int) -> Path:
+def checked_step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     """`step_dir(root, step)`, which must be a real directory inside `root`: a symbolic
     link would make the step's files (and its manifest) those of another directory,
     read with this checkpoint's trust. Raises CorruptCheckpointError otherwise."""
     path = step_dir(root, step)
+    if isinstance(path, ObjectPath):
+        return path  # no links in an object store; a missing object fails its read
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -82,9 +107,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def begin_step(root: Path, step: int) -> Path:
+def begin_step(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
     """Create an empty `step-N.tmp/` (discarding an abandoned one) and return it."""
-    root = Path(root)
+    root = open_root(root)
+    if isinstance(root, ObjectPath):
+        return _begin_object_step(root, step)
     root.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir(root, step)
     if tmp.exists():
@@ -93,14 +120,17 @@ def begin_step(root: Path, step: int) -> Path:
     return tmp
 
 
-def commit_step(root: Path, step: int, manifest_json: str) -> Path:
+def commit_step(root: Path | ObjectPath, step: int, manifest_json: str
+                ) -> Path | ObjectPath:
     """Write the manifest into `step-N.tmp/` and atomically publish the step.
 
     Never overwrites the only good copy: a complete step of the same number (a step
     re-done after recovering from an older one) is moved aside first and deleted only
     after the new one is in place.
     """
-    root = Path(root)
+    root = open_root(root)
+    if isinstance(root, ObjectPath):
+        return _commit_object_step(root, step, manifest_json)
     tmp, final = tmp_dir(root, step), step_dir(root, step)
     path = tmp / MANIFEST
     with open(path, "w") as f:
@@ -121,9 +151,11 @@ def commit_step(root: Path, step: int, manifest_json: str) -> Path:
     return final
 
 
-def complete_steps(root: Path) -> list[int]:
+def complete_steps(root: Path | ObjectPath) -> list[int]:
     """Steps with a manifest, oldest first. Directories without one are never read."""
-    root = Path(root)
+    root = open_root(root)
+    if isinstance(root, ObjectPath):
+        return sorted(s for s, names in object_steps(root).items() if MANIFEST in names)
     if not root.is_dir():
         return []
     steps = []
@@ -134,14 +166,16 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def remove_abandoned(root: Path) -> list[Path]:
+def remove_abandoned(root: Path | ObjectPath) -> list[Path] | list[ObjectPath]:
     """Delete `.tmp` directories left by an interrupted save.
 
     A `.replaced` directory is the previous copy of a step that was being re-committed;
     if the crash came before the new copy took its name, it is the only good copy and is
     put back instead of deleted.
     """
-    root = Path(root)
+    root = open_root(root)
+    if isinstance(root, ObjectPath):
+        return _remove_abandoned_objects(root)
     if not root.is_dir():
         return []
     removed = []
@@ -180,6 +214,8 @@ def set_aside(root: Path, step: int, reason: str) -> Path:
     written (a read-only file system): the caller decides whether that matters.
     """
     src = step_dir(root, step)
+    if isinstance(src, ObjectPath):
+        raise OSError(errno.EOPNOTSUPP, f"an object store cannot rename {src}")
     dst = Path(root) / f"{src.name}.corrupt"
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
@@ -193,3 +229,61 @@ def set_aside(root: Path, step: int, reason: str) -> Path:
         (dst / "CORRUPT.txt").write_text(reason + "\n")
     fsync_dir(Path(root))
     return dst
+
+
+# -- object stores ------------------------------------------------------------------------
+
+
+def object_steps(root: ObjectPath) -> dict[int, dict[str, int]]:
+    """Every `step-N/` prefix under `root`, from one listing: step -> {name: size} of
+    the objects directly in it (a key that is not `step-NNNNNNNN/name` is ignored)."""
+    out: dict[int, dict[str, int]] = {}
+    for key, size in root.listing().items():
+        head, _, name = key.partition("/")
+        m = STEP_RE.match(head)
+        if m and name and "/" not in name:
+            out.setdefault(int(m.group(1)), {})[name] = size
+    return out
+
+
+def _begin_object_step(root: ObjectPath, step: int) -> ObjectPath:
+    d = step_dir(root, step)
+    # The manifest first: from here on the step is not complete, so no reader takes the
+    # objects about to be replaced for the old step's.
+    (d / MANIFEST).unlink(missing_ok=True)
+    d.remove_tree()
+    return d
+
+
+def _commit_object_step(root: ObjectPath, step: int, manifest_json: str) -> ObjectPath:
+    """Confirm every object the manifest names in this step, then write it, last."""
+    d = step_dir(root, step)
+    manifest = json.loads(manifest_json)
+    found = object_steps(root).get(step, {})
+    needed = dict(manifest.get("files", {}))
+    for entry in manifest.get("entries", {}).values():
+        if entry["step"] == step:
+            needed.setdefault(entry["file"], None)
+    for name, size in sorted(needed.items()):
+        if name not in found:
+            raise OSError(f"{d / name}: not in the store, but the manifest of step {step} "
+                          "needs it; the step is left uncommitted")
+        if size is not None and found[name] != size:
+            raise OSError(f"{d / name}: the store holds {found[name]} bytes, {size} were "
+                          f"written; the step is left uncommitted")
+    if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    (d / MANIFEST).write_confirmed(manifest_json.encode())
+    return d
+
+
+def _remove_abandoned_objects(root: ObjectPath) -> list[ObjectPath]:
+    """Delete the step prefixes with neither a manifest nor a superseded one: objects of
+    a save that never committed (or of a deletion a crash interrupted)."""
+    removed = []
+    for step, names in sorted(object_steps(root).items()):
+        if MANIFEST not in names and SUPERSEDED not in names:
+            d = step_dir(root, step)
+            d.remove_tree()
+            removed.append(d)
+    return removed

@@ -77,6 +77,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.steps import complete_steps, remove_abandoned
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
 from moc.checkpoint.twolevel.persist import PersistClient
@@ -166,6 +167,12 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,
             max_failures=max_failures)
         self.root, self.spec, self.interval = p.root, p.spec, interval
+        if isinstance(p.root, ObjectPath) and p.root.protocol == "memory":
+            p.release()
+            raise ValueError(f"two-level checkpointing cannot persist to {p.root}: a "
+                             "memory:// store lives in one process, and the persist process "
+                             "is another; use s3:// (or another shared store), a local "
+                             "directory, or the synchronous engine (--ckpt-mode pec)")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", p.groups.world_size))
         if local_world != p.groups.world_size:
             raise ValueError("two-level checkpointing runs on one node in this release "

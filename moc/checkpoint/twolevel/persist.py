@@ -46,6 +46,7 @@ from queue import Empty, Queue
 
 from moc.checkpoint import codec
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_dir
@@ -123,9 +124,9 @@ class PersistClient:
     0's thread that holds the engine's plan lock, `reconnect` to a plan.
     """
 
-    def __init__(self, job: str, root: Path, rank: int, generation: int | None = None
-                 ) -> None:
-        self.job, self.root, self.rank = job, Path(root), rank
+    def __init__(self, job: str, root: Path | ObjectPath, rank: int,
+                 generation: int | None = None) -> None:
+        self.job, self.root, self.rank = job, open_root(root), rank
         self.jdir = secure_job_dir(job)
         self.alive = True
         """Rank 0's view: False once the process is found gone (or hung and killed)."""
@@ -366,7 +367,8 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
             result = Done(req.step, False, failed.pop(req.step))
         elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
             req = pending.pop(0)
-            result = _run(job, Path(root), req, ready.pop(req.step), parent_pid)
+            # A URL becomes this process's own client, from its own environment.
+            result = _run(job, open_root(root), req, ready.pop(req.step), parent_pid)
         else:
             continue
         for old in [s for s in ready if s < req.step]:

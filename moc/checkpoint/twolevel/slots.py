@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.backend import ObjectPath, is_url
 from moc.checkpoint.store.format import tensor_bytes
 
 
@@ -117,8 +118,11 @@ def write_private(path: Path, data: str | bytes) -> None:
 
 
 def default_job_id(ckpt_dir: str | Path) -> str:
-    """Stable across torchrun restarts of the same run: derived from the checkpoint dir."""
-    return hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
+    """Stable across torchrun restarts of the same run: derived from the checkpoint dir
+    (its URL, for an object store)."""
+    name = str(ckpt_dir) if is_url(str(ckpt_dir)) or isinstance(ckpt_dir, ObjectPath) else (
+        str(Path(ckpt_dir).resolve()))
+    return hashlib.sha1(name.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

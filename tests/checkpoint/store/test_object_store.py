@@ -1,0 +1,356 @@
+"""Checkpoints in an object store: a real S3 API server (moto, a subprocess on
+127.0.0.1), and fsspec's memory:// store.
+
+The guarantees are the local directory's: a step is complete only when its manifest
+exists, written last after every object is confirmed; a step without one is never read
+and is cleaned up by the writer; retention deletes only what no restorable step reads;
+verify reads every byte back; errors of the store surface, never swallowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.lock import LOCK_FILE, DirectoryInUseError, DirectoryLock
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.retention import referenced_steps
+from moc.checkpoint.store.steps import (
+    FAULT_BEFORE_MANIFEST_ENV,
+    MANIFEST,
+    SUPERSEDED,
+    complete_steps,
+    object_steps,
+    rank_file,
+    step_dir,
+)
+from moc.checkpoint.sync import Checkpointer
+from moc.checkpoint.tools import format_verify, inspect_checkpoints, verify_checkpoints
+from moc.model import ModelConfig, Transformer
+from tests.distributed import free_port
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::moc.checkpoint.policy.tokens.RoutingNotRecordedWarning")
+
+CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
+
+
+def _build(seed: int) -> tuple[Transformer, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Transformer(CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: Transformer, opt: torch.optim.Optimizer, seed: int) -> torch.Tensor:
+    idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+    out = model(idx, idx)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.tokens_per_expert
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    (ma, oa), (mb, ob) = a, b
+    for (n, pa), (_, pb) in zip(ma.named_parameters(), mb.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+        for k in oa.state[pa]:
+            assert torch.equal(oa.state[pa][k], ob.state[pb][k]), (n, k)
+
+
+def _train_and_save(url: str, steps: int, **kw) -> tuple:
+    model, opt = _build(0)
+    ckpt = Checkpointer(model, opt, url, interval=1, **kw)
+    for step in range(1, steps + 1):
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.save(step, {"step": step}, final=step == steps)
+    ckpt.close()
+    return model, opt
+
+
+def _restored(url: str, **kw) -> tuple:
+    fresh = _build(1)
+    ckpt = Checkpointer(*fresh, url, **kw)
+    report = ckpt.restore()
+    ckpt.close()
+    return report, fresh
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+def test_sync_round_trip_on_s3_is_bitwise(s3_url):
+    saved = _train_and_save(s3_url, 3, policy=PECPolicy(k=1))
+    assert complete_steps(s3_url) == [1, 2, 3]
+    report, fresh = _restored(s3_url, policy=PECPolicy(k=1))
+    assert report.step == 3 and report.extra == {"step": 3}
+    _assert_same(saved, fresh)
+    # The layout is the local one, key for key; the lock is gone with the job.
+    names = set(open_root(s3_url).listing())
+    assert {f"step-0000000{s}/{n}" for s in (1, 2, 3)
+            for n in (MANIFEST, rank_file(0))} <= names
+    assert LOCK_FILE not in names and "moc-run.json" in names
+
+
+def test_sync_round_trip_on_memory_store_is_bitwise():
+    url = f"memory://moc-test-{os.getpid()}/run"
+    saved = _train_and_save(url, 2)
+    report, fresh = _restored(url)
+    assert report.step == 2
+    _assert_same(saved, fresh)
+    assert verify_checkpoints(url).ok
+
+
+@pytest.mark.integration  # the persist process is a real process, reaching the server
+def test_two_level_persists_to_s3_from_the_persist_process_and_restores_bitwise(
+        s3_url, tmp_path, monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))  # node-local memory
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, s3_url, policy=PECPolicy(k=None), interval=2,
+                                persist_policy="wait", k_snapshot="all")
+    for step in range(1, 7):
+        ckpt.wait_for_snapshot()
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.maybe_save(step, {"step": step})
+    ckpt.flush()
+    results = ckpt.drain_completed()
+    ckpt.close()
+    assert [r.step for r in results if r.error is None] == [2, 4, 6]
+    assert complete_steps(s3_url) == [2, 4, 6]
+    assert not any(k.startswith("shm") for k in open_root(s3_url).listing())
+    report, fresh = _restored(s3_url)  # from storage: the sync engine reads the same format
+    assert report.step == 6 and report.source == "storage"
+    _assert_same((model, opt), fresh)
+
+
+@pytest.mark.integration
+def test_a_persist_process_killed_before_the_manifest_leaves_that_step_unread(
+        s3_url, tmp_path, monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv(FAULT_BEFORE_MANIFEST_ENV, "4")  # inherited by the persist process
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, s3_url, policy=PECPolicy(k=None), interval=2,
+                                persist_policy="wait", k_snapshot="all")
+    first = ckpt.persist.process
+    results = []
+    for step in range(1, 9):
+        ckpt.wait_for_snapshot()
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.maybe_save(step, {"step": step})
+        results += ckpt.drain_completed()
+    ckpt.flush()
+    results += ckpt.drain_completed()
+    root = open_root(s3_url)
+    steps_before_close = complete_steps(s3_url)
+    objects_of_4 = set(object_steps(root).get(4, {}))
+    ckpt.close()
+    assert first.returncode == -signal.SIGKILL  # killed itself at step 4's commit
+    assert ckpt.persist.process is not first  # restarted for the steps after it
+    assert {r.step: r.error is None for r in results} == {2: True, 4: False, 6: True,
+                                                          8: True}
+    assert steps_before_close == [2, 6, 8] and objects_of_4 == {rank_file(0)}
+    report, fresh = _restored(s3_url)  # the restore removes step 4's objects
+    assert report.step == 8
+    _assert_same((model, opt), fresh)
+    assert 4 not in object_steps(root) and verify_checkpoints(s3_url).ok
+
+
+# -- the commit protocol -------------------------------------------------------------------
+
+CRASHING_SAVE = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    from tests.checkpoint.store.test_object_store import _train_and_save
+    _train_and_save(sys.argv[1], 3)
+""")
+
+
+def test_a_crash_between_the_objects_and_the_manifest_leaves_the_step_unread(s3_url):
+    env = {**os.environ, FAULT_BEFORE_MANIFEST_ENV: "3", "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", CRASHING_SAVE, s3_url], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    root = open_root(s3_url)
+    # Step 3's object is in the store, confirmed, but without a manifest it is not a step.
+    assert set(object_steps(root)[3]) == {rank_file(0)}
+    assert complete_steps(s3_url) == [1, 2]
+    assert (root / LOCK_FILE).is_file()  # SIGKILL: the lock object outlives its holder
+
+    # The restart (same host, its holder gone) takes the lock over, restores step 2 and
+    # removes step 3's abandoned objects before anything is written.
+    report, _ = _restored(s3_url)
+    assert report.step == 2
+    assert 3 not in object_steps(root)
+    assert verify_checkpoints(s3_url).ok
+
+
+def test_recommitting_a_step_replaces_it_whole(s3_url):
+    saved = _train_and_save(s3_url, 2, policy=PECPolicy(k=1))
+    first = (step_dir(open_root(s3_url), 2) / rank_file(0)).read_bytes()
+    model, opt = _build(5)  # a different state, committed again as step 2
+    ckpt = Checkpointer(model, opt, s3_url, interval=1)
+    ckpt.save(2, {"step": 2}, final=True)
+    ckpt.close()
+    assert (step_dir(open_root(s3_url), 2) / rank_file(0)).read_bytes() != first
+    report, fresh = _restored(s3_url)
+    assert report.step == 2
+    _assert_same((model, opt), fresh)
+    assert not _same_state(saved, fresh)
+    assert verify_checkpoints(s3_url).ok
+
+
+def _same_state(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[0].parameters(), b[0].parameters(),
+                                                  strict=True))
+
+
+def test_a_short_object_is_an_error_not_a_checkpoint(s3_url):
+    obj = open_root(s3_url) / "probe.bin"
+    obj.write_confirmed(b"x" * 100)
+    obj.confirm(100)
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe_file(obj.key, b"x" * 60)  # cut short
+    with pytest.raises(OSError, match="100 bytes written but the store holds 60"):
+        obj.confirm(100)
+    with pytest.raises(OSError, match="the write was lost"):
+        (open_root(s3_url) / "never-written").confirm(1)
+
+
+# -- verify, inspect, retention ------------------------------------------------------------
+
+
+def test_verify_on_s3_detects_a_flipped_byte(s3_url):
+    _train_and_save(s3_url, 2)
+    assert verify_checkpoints(s3_url).ok
+    obj = step_dir(open_root(s3_url), 2) / rank_file(0)
+    data = bytearray(obj.read_bytes())
+    data[-5] ^= 0x01  # inside the last tensor's bytes: only its checksum can tell
+    obj.write_confirmed(bytes(data))
+    report = verify_checkpoints(s3_url)
+    assert not report.ok
+    assert report.damaged_steps == [2] and report.intact_steps == [1]
+    assert list(report.bad_files) == ["step-00000002/rank-00000.safetensors"]
+    assert "checksum mismatch" in format_verify(report)
+    r = subprocess.run([sys.executable, "-m", "moc", "verify", s3_url], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "checksum mismatch" in r.stdout + r.stderr
+    # Recovery agrees: the damaged step is skipped, the older one restored.
+    report, _ = _restored(s3_url)
+    assert report.step == 1
+
+
+def test_inspect_on_s3_reads_the_manifests(s3_url):
+    _train_and_save(s3_url, 2, policy=PECPolicy(k=1))
+    info = inspect_checkpoints(s3_url)
+    assert info["dir"] == s3_url and [s["step"] for s in info["steps"]] == [1, 2]
+    r = subprocess.run([sys.executable, "-m", "moc", "inspect", s3_url, "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [s["step"] for s in json.loads(r.stdout)["steps"]] == [1, 2]
+
+
+def test_retention_on_s3_deletes_only_what_no_restorable_step_reads(s3_url):
+    model, opt = _build(0)
+    ckpt = Checkpointer(model, opt, s3_url, policy=PECPolicy(k=1), interval=1, keep_last=2)
+    for step in range(1, 11):
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.save(step, {"step": step})
+        ckpt.parts.retention.wait()
+    ckpt.close()
+    root = open_root(s3_url)
+    listed = object_steps(root)
+    complete = sorted(s for s, n in listed.items() if MANIFEST in n)
+    assert complete == [9, 10]
+    needed = set().union(*(referenced_steps(Manifest.load(root, s)) for s in complete))
+    assert set(listed) == needed  # everything read is there, nothing else is
+    for s in needed - {9, 10}:
+        assert set(listed[s]) == {SUPERSEDED, rank_file(0)}  # data only, demoted
+    assert verify_checkpoints(s3_url).ok
+    report, _ = _restored(s3_url, policy=PECPolicy(k=1))
+    assert report.step == 10
+
+
+# -- the lock and bad input ----------------------------------------------------------------
+
+HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from moc.checkpoint.store.lock import DirectoryLock
+    DirectoryLock.acquire(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_second_job_on_the_same_prefix_is_refused_while_the_first_runs(s3_url):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, s3_url], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(DirectoryInUseError, match=f"pid {holder.pid} on"):
+            DirectoryLock.acquire(s3_url)
+    finally:
+        holder.kill()
+        holder.wait()
+    DirectoryLock.acquire(s3_url).release()  # its holder is gone: taken over, released
+    assert not (open_root(s3_url) / LOCK_FILE).is_file()
+
+
+def test_a_lock_object_of_another_host_is_not_broken(s3_url):
+    lock = open_root(s3_url) / LOCK_FILE
+    lock.write_confirmed(json.dumps({"host": "elsewhere", "pid": 1, "user": "u",
+                                     "since": "then", "command": "moc train"}).encode())
+    with pytest.raises(DirectoryInUseError, match=f"delete {lock}"):
+        DirectoryLock.acquire(s3_url)
+
+
+def test_a_missing_bucket_is_a_clear_error(s3_url):
+    url = "s3://no-such-bucket-moc/run"
+    with pytest.raises(CheckpointError, match=r"no-such-bucket-moc.*bucket"):
+        Checkpointer(*_build(0), url)
+
+
+def test_an_endpoint_nobody_listens_on_is_a_clear_error(s3_url, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(CheckpointError, match="AWS_ENDPOINT_URL"):
+        Checkpointer(*_build(0), s3_url)
+
+
+def test_an_unknown_protocol_is_a_value_error():
+    with pytest.raises(ValueError, match="nosuch://"):
+        open_root("nosuch://bucket/run")
+    assert open_root("file:///tmp/x") == open_root("/tmp/x")
+    assert isinstance(open_root("memory://b/p"), ObjectPath)
+
+
+def test_two_level_refuses_a_memory_store_its_persist_process_cannot_see(tmp_path,
+                                                                        monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    url = f"memory://moc-test-{os.getpid()}/two-level"
+    with pytest.raises(ValueError, match="memory:// store lives in one process"):
+        TwoLevelCheckpointer(*_build(0), url)
+    DirectoryLock.acquire(url).release()  # the refused engine left no lock behind
+
+
+def test_moc_train_refuses_a_dcp_baseline_on_an_object_store(s3_url):
+    r = subprocess.run([sys.executable, "-m", "moc", "train", "--ckpt-mode", "dcp-sync",
+                        "--ckpt-dir", s3_url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "writes a local directory" in r.stderr
