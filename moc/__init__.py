@@ -12,6 +12,7 @@ from moc.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from moc.checkpoint.export import ExportReport, export
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.sync import Checkpointer
@@ -21,6 +22,7 @@ from moc.topology import ParallelGroups, init_distributed
 __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
-           "CorruptCheckpointError", "ExpertSpec", "IncompatibleCheckpointError",
+           "CorruptCheckpointError", "ExpertSpec", "ExportReport",
+           "IncompatibleCheckpointError",
            "PECPolicy", "ParallelGroups", "RecoveryReport", "TwoLevelCheckpointer",
-           "init_distributed"]
+           "export", "init_distributed"]

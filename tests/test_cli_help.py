@@ -9,7 +9,7 @@ import pytest
 
 import moc
 
-COMMANDS = [["train"], ["demo"], ["inspect"], ["verify"], ["bench"], ["bench", "size"],
+COMMANDS = [["train"], ["demo"], ["inspect"], ["verify"], ["export"], ["bench"], ["bench", "size"],
             ["bench", "overhead"], ["bench", "accuracy"], ["simulate"]]
 
 
