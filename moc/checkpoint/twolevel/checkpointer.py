@@ -354,7 +354,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
             finally:
                 self.worker.stop()
                 self.store.release()
-                if p.groups.rank == 0 and not keep_snapshots and not p.model_only:
+                if p.groups.rank == 0 and not keep_snapshots:
                     self._remove_snapshots()
                 if p.retention is not None:
                     p.retention.close()
