@@ -297,6 +297,21 @@ def test_export_verify_inspect_and_restore_change_nothing_and_the_first_save_tid
     assert "checksum mismatch" in (root / "step-00000002.corrupt" / "CORRUPT.txt").read_text()
 
 
+def test_retention_after_a_restore_never_counts_the_corrupt_step_among_the_newest(tmp_path):
+    root = tmp_path / "ckpt"
+    _checkpoints(root, 3, k=None, final=True)
+    _flip_a_param_byte(step_dir(root, 3) / rank_file(0))
+    model, opt = _moc_model(seed=3)
+    ckpt = moc.Checkpointer(model, opt, root, model_meta=CFG.to_dict(), keep_last=2)
+    assert ckpt.restore().step == 2
+    ckpt.save(4, {"step": 4})
+    ckpt.close()  # waits for retention
+    # Keeping the newest two: 2 and 4. Counting the corrupt 3 would have deleted 2, the
+    # only good checkpoint before 4.
+    assert sorted(p.name for p in root.glob("step-*")) == [
+        "step-00000002", "step-00000003.corrupt", "step-00000004"]
+
+
 READ_ONLY = """
 import sys
 from pathlib import Path
