@@ -207,8 +207,8 @@ def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: d
 
 
 def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any],
-                        chain: ChainState, ledger: TokenLedger, tidy: WriteTidy | None = None
-                        ) -> RecoveryReport | None:
+                        chain: ChainState, ledger: TokenLedger, tidy: WriteTidy | None = None,
+                        *, commits_checked: bool = False) -> RecoveryReport | None:
     """Restore the newest intact step on storage and continue its chain: the chain
     continues from the manifest restored, and the ledger accounts what the recovery lost
     (every expert came back from its newest persisted copy). Collective.
@@ -216,8 +216,9 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
     Reading changes nothing in the directory (`tidy`, rank 0's, sets corrupt steps aside
     and removes `.tmp` directories at the next save) but for one repair, done only by an
     engine that writes (`tidy` given): a re-commit interrupted between its two renames
-    leaves the step's only good copy as `step-N.replaced`, which is put back first."""
-    if dist.rank == 0:
+    leaves the step's only good copy as `step-N.replaced`, which is put back first
+    (unless the caller did: `commits_checked`)."""
+    if dist.rank == 0 and not commits_checked:
         warn_interrupted_commits(root, repair=tidy is not None)
     dist.barrier()
     result = restore_from_storage(root, state, dist, model_meta)

@@ -312,6 +312,28 @@ def test_retention_after_a_restore_never_counts_the_corrupt_step_among_the_newes
         "step-00000002", "step-00000003.corrupt", "step-00000004"]
 
 
+def test_an_interrupted_recommit_is_put_back_only_by_a_restore_that_writes(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    _checkpoints(root, 2, k=None, final=True)
+    # A crash between commit_step's renames: step 2's only good copy is `.replaced`.
+    step_dir(root, 2).rename(root / "step-00000002.replaced")
+    before = _tree(root)
+    fresh, _ = _moc_model(seed=9)
+    with caplog.at_level("WARNING"):
+        report = moc.Checkpointer(fresh, None, root, model_meta=CFG.to_dict()).restore()
+    assert report.step == 1 and "holds the only good copy" in caplog.text
+    with pytest.raises(ValueError, match=r"no complete step 2 \(step-00000002.replaced"):
+        moc.export(root, tmp_path / "out", step=2)
+    assert _tree(root) == before
+    model, opt = _moc_model(seed=3)
+    ckpt = moc.Checkpointer(model, opt, root, model_meta=CFG.to_dict())
+    assert ckpt.restore().step == 2
+    ckpt.close()
+    assert moc.export(root, tmp_path / "out").step == 2  # into an empty OUT, too
+    (tmp_path / "empty").mkdir()
+    assert moc.export(root, tmp_path / "empty").step == 2
+
+
 READ_ONLY = """
 import sys
 from pathlib import Path

@@ -310,7 +310,7 @@ class TwoLevelCheckpointer(CheckpointEngine):
         if mem is None:
             planner.newest_slot = planner.persist_slot = None
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
-                                         p.ledger, p.tidy)
+                                         p.ledger, p.tidy, commits_checked=True)
             self.store.invalidate_newer_than(report.step if report is not None else -1)
             return report
         self.store.invalidate_newer_than(mem.step)
