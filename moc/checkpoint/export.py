@@ -369,7 +369,7 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
     not empty without `force`), StaleExpertsError for a partial step without
     `allow_partial`, CorruptCheckpointError naming the file for a tensor that fails its
     checks, IncompatibleCheckpointError when the manifest cannot name the tensors."""
-    root, out = Path(directory), Path(out)
+    root, out = Path(directory), Path(os.path.abspath(out))  # "." has no name to rename
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if shard_size < 1:
