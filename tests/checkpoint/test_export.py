@@ -14,6 +14,8 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -450,7 +452,7 @@ def test_moc_train_with_ep2_exports_what_a_one_rank_restore_holds(tmp_path):
                        strict=True)), "nothing was trained"
 
 
-def _mixtral(transformers) -> nn.Module:
+def _mixtral(transformers: ModuleType) -> nn.Module:
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -458,7 +460,7 @@ def _mixtral(transformers) -> nn.Module:
         num_experts_per_tok=2, max_position_embeddings=32))
 
 
-def _qwen2_moe(transformers) -> nn.Module:
+def _qwen2_moe(transformers: ModuleType) -> nn.Module:
     torch.manual_seed(0)
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
@@ -474,7 +476,7 @@ def _hf_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.zero_grad()
 
 
-def _assert_same_config(loaded, original) -> None:
+def _assert_same_config(loaded: Any, original: Any) -> None:
     """What from_pretrained fills in itself (its path, the dtype it loaded) aside."""
     skip = {"_name_or_path", "dtype", "torch_dtype", "architectures", "transformers_version"}
     a, b = loaded.to_dict(), original.to_dict()
