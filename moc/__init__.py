@@ -12,6 +12,7 @@ from moc.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from moc.checkpoint.export import ExportReport, export
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
@@ -22,7 +23,6 @@ from moc.topology import ParallelGroups, init_distributed
 __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
-           "CorruptCheckpointError", "ExpertSpec", "IncompatibleCheckpointError",
-           "PECPolicy", "ParallelGroups", "RecoveryReport", "RoutingRecorder",
-           "TwoLevelCheckpointer",
-           "init_distributed"]
+           "CorruptCheckpointError", "ExpertSpec", "ExportReport",
+           "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "RecoveryReport",
+           "RoutingRecorder", "TwoLevelCheckpointer", "export", "init_distributed"]

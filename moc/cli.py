@@ -1,5 +1,6 @@
-"""`moc` command line: train (launches torchrun itself), demo (the main job), inspect and
-verify (checkpoint directories), bench (measurements), simulate (the overhead model)."""
+"""`moc` command line: train (launches torchrun itself), demo (the main job), inspect,
+verify and export (checkpoint directories), bench (measurements), simulate (the overhead
+model)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,24 @@ def _print(text: str) -> int | None:
     return None
 
 
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+              "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """`--shard-size`: bytes, or a number with kB, MB, GB (powers of 10) or KiB, MiB, GiB."""
+    num = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(num):].lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 500MB or 2000000, got "
+                                         f"{text!r}")
+    return int(value * SIZE_UNITS[unit])
+
+
 BENCHMARKS = ("size", "overhead", "accuracy", "persist")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
@@ -189,6 +208,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                             "if anything is corrupt or missing")
     verify.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
                         "store URL (s3://bucket/prefix)")
+    export = sub.add_parser(
+        "export", help="write one step as the model's own state dict (experts gathered "
+        "from every rank and step) for inference or transformers' from_pretrained; "
+        "reads DIR without changing it",
+        description="Write the model state of one checkpoint step into OUT under the "
+        "model's own parameter names. DIR is only read. Formats: hf (sharded "
+        "model-0000i-of-0000n.safetensors + model.safetensors.index.json), safetensors "
+        "(model.safetensors), torch (pytorch_model.bin); each with config.json when the "
+        "checkpoint stored the model's config.")
+    export.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
+                        "store URL (s3://bucket/prefix)")
+    export.add_argument("out", type=Path, help="output directory (created; must be empty "
+                        "or missing unless --force)")
+    export.add_argument("--step", type=int, help="step to export (default: the newest)")
+    export.add_argument("--format", choices=["hf", "safetensors", "torch"], default="hf",
+                        help="output format (default hf)")
+    export.add_argument("--allow-partial", action="store_true",
+                        help="export a step whose experts are not all saved at it (a "
+                             "partial checkpoint), printing each expert's age")
+    export.add_argument("--shard-size", type=parse_size, default=None,
+                        help="hf: largest shard, bytes or with kB/MB/GB (default 5GB)")
+    export.add_argument("--force", action="store_true",
+                        help="replace OUT when it is not empty")
     bench = sub.add_parser("bench", add_help=False,
                            help=f"benchmarks: `moc bench {{{','.join(BENCHMARKS)}}} --help`")
     bench.add_argument("what", choices=BENCHMARKS)
@@ -229,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
             info = inspect_checkpoints(args.dir)
             corrupt = any(s["corrupt"] for s in info["steps"])
             return _print(format_inspect(info, as_json=args.json)) or (1 if corrupt else 0)
+        if args.command == "export":
+            from moc.checkpoint.export import DEFAULT_SHARD_BYTES, export, format_export
+
+            report = export(args.dir, args.out, step=args.step, format=args.format,
+                            allow_partial=args.allow_partial, force=args.force,
+                            shard_size=args.shard_size or DEFAULT_SHARD_BYTES)
+            return _print(format_export(report)) or 0
         if args.command == "verify":
             from moc.checkpoint.tools import format_verify, verify_checkpoints
 

@@ -21,7 +21,7 @@ COMMANDS += [["moc.train"]]  # the worker torchrun starts
 
 def test_the_help_checks_cover_every_subcommand_and_benchmark():
     assert {" ".join(c[1:]) for c in COMMANDS if c[0] == "moc"} >= {
-        "train", "demo", "inspect", "verify", "bench", "simulate", "bench size",
+        "train", "demo", "inspect", "verify", "export", "bench", "simulate", "bench size",
         "bench overhead", "bench accuracy", "bench persist"}
 
 

@@ -10,13 +10,15 @@ tests/test_dependencies.py).
     parts.py        the parts every engine is built from
     policy/         what is saved: PEC selection; the token ledger (PLT, Dynamic-K)
     plan/           who writes what: write units, their assignment, the chain
-    store/          how it lands: tensor files, step directories, manifest, retention;
-                    a local directory or an object store URL (store/backend.py)
+    store/          how it lands: tensor files, step directories, manifest, retention,
+                    the clean-up a restore leaves for the first save; a local
+                    directory or an object store URL (store/backend.py)
     recovery.py     the one restore loop
     routing.py      `RoutingRecorder`: routed tokens counted by forward hooks
     sync.py         `Checkpointer`, the synchronous engine
     twolevel/       `TwoLevelCheckpointer`: snapshot in memory, background persist
     tools.py        inspect, verify
+    export.py       a step as the model's own state dict (`moc export`)
 """
 
 from moc.checkpoint.errors import (

@@ -17,16 +17,23 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from moc.checkpoint.dist import Dist, RankError, raise_failures
+from moc.checkpoint.export import model_config_of
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.state import RankState, as_optimizer_state, default_model_meta
+from moc.checkpoint.state import (
+    NoOptimizer,
+    RankState,
+    as_optimizer_state,
+    default_model_meta,
+)
 from moc.checkpoint.store.backend import ObjectPath, open_root
-from moc.checkpoint.store.identity import ensure_run_id
+from moc.checkpoint.store.identity import ensure_run_id, read_run_id
 from moc.checkpoint.store.lock import DirectoryLock
 from moc.checkpoint.store.retention import BackgroundRetention
+from moc.checkpoint.store.tidy import WriteTidy
 from moc.topology import ParallelGroups
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,22 @@ class EngineParts:
     """The run `root` belongs to (`store.identity`), the same on every rank; None when
     the directory is read-only and has none."""
     failures: FailurePolicy
+    tidy: WriteTidy | None
+    """Rank 0's deferred clean-up of the directory, done at the first save (None elsewhere,
+    and for a model-only engine, which never writes)."""
+
+    @property
+    def model_only(self) -> bool:
+        """Built with `optimizer=None`: restores the model for inference, never saves."""
+        return isinstance(self.state.optimizer, NoOptimizer)
+
+    def check_can_save(self) -> None:
+        """ValueError for a save of a model-only engine (before anything is written)."""
+        if self.model_only:
+            raise ValueError(
+                "this engine was built with optimizer=None (model-only: restore for "
+                "inference) and cannot save a training checkpoint, which must hold the "
+                "optimizer state; pass the optimizer to save checkpoints")
 
     @classmethod
     def build(cls, model: nn.Module, optimizer: object, directory: str | Path, *,
@@ -81,10 +104,13 @@ class EngineParts:
         root = open_root(directory)  # a Path, or an ObjectPath for a URL
         dist = Dist(groups)
         lock, run_id, failed = None, None, None
+        writes = optimizer is not None
         if groups.rank == 0:
             try:
-                lock = DirectoryLock.acquire(root)
-                run_id = ensure_run_id(root)
+                # A model-only engine only reads: no lock (readers need none, and taking
+                # it writes the holder into the directory), no new run id.
+                lock = DirectoryLock.acquire(root) if writes else None
+                run_id = ensure_run_id(root) if writes else read_run_id(root)
             except Exception as e:  # every rank raises it, none is left waiting
                 failed = e
                 if lock is not None:
@@ -99,13 +125,14 @@ class EngineParts:
             root=root, spec=spec, groups=groups, dist=dist, state=state,
             policy=policy, mode=mode or ("full" if policy.selection == "full" else "pec"),
             interval=interval, model_meta=model_meta or default_model_meta(model, spec),
-            chain=ChainState(spec, policy, groups.layout.ep),
+            chain=ChainState(spec, policy, groups.layout.ep, model_config_of(model)),
             ledger=TokenLedger(spec.n_moe_layers, spec.n_experts,
                                policy.initial_k(spec.n_experts), policy.dynamic_k,
                                policy.plt_threshold),
             retention=(BackgroundRetention(root, keep_last)
-                       if keep_last is not None and groups.rank == 0 else None),
-            lock=lock, run_id=run_id, failures=failures)
+                       if keep_last is not None and groups.rank == 0 and writes else None),
+            lock=lock, run_id=run_id, failures=failures,
+            tidy=WriteTidy(root) if groups.rank == 0 and writes else None)
 
     @property
     def layout(self) -> dict[str, int]:

@@ -37,10 +37,10 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import (
     checked_step_dir,
     complete_steps,
-    remove_abandoned,
-    set_aside,
-    step_dir,
+    interrupted_commits,
+    put_back_replaced,
 )
+from moc.checkpoint.store.tidy import WriteTidy
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,23 @@ class StorageRestore:
         return self.manifest.step
 
 
+def warn_interrupted_commits(root: Path, repair: bool) -> None:
+    """Rank 0, before listing steps: put back (`repair`) or name the `.replaced`
+    directories that hold the only good copy of their step. A read-only reader cannot
+    see such a step, so it says what would make it visible."""
+    if repair:
+        try:
+            put_back_replaced(root)
+            return
+        except OSError as e:
+            log.warning("could not finish an interrupted re-commit in %s (%s)", root,
+                        e.strerror or e)
+    for d in interrupted_commits(root):
+        log.warning("%s holds the only good copy of its step (a re-commit interrupted by a "
+                    "crash): this read-only restore cannot see it; a training job's restore "
+                    "puts it back (or rename it to %s)", d, d.name.removesuffix(".replaced"))
+
+
 def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any]
                          ) -> StorageRestore | None:
     """Load the newest step every rank can read intact; None when there is none.
@@ -191,29 +208,25 @@ def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: d
 
 
 def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any],
-                        chain: ChainState, ledger: TokenLedger) -> RecoveryReport | None:
-    """Restore the newest intact step on storage and continue its chain: abandoned
-    `.tmp` directories are removed and corrupt newer steps set aside (rank 0), the chain
+                        chain: ChainState, ledger: TokenLedger, tidy: WriteTidy | None = None,
+                        *, commits_checked: bool = False) -> RecoveryReport | None:
+    """Restore the newest intact step on storage and continue its chain: the chain
     continues from the manifest restored, and the ledger accounts what the recovery lost
-    (every expert came back from its newest persisted copy). Collective."""
-    if dist.rank == 0:
-        remove_abandoned(root)
+    (every expert came back from its newest persisted copy). Collective.
+
+    Reading changes nothing in the directory (`tidy`, rank 0's, sets corrupt steps aside
+    and removes `.tmp` directories at the next save) but for one repair, done only by an
+    engine that writes (`tidy` given): a re-commit interrupted between its two renames
+    leaves the step's only good copy as `step-N.replaced`, which is put back first
+    (unless the caller did: `commits_checked`)."""
+    if dist.rank == 0 and not commits_checked:
+        warn_interrupted_commits(root, repair=tidy is not None)
     dist.barrier()
     result = restore_from_storage(root, state, dist, model_meta)
     if result is None:
         return None
-    if dist.rank == 0:
-        for step, reason in zip(result.skipped_steps, result.skipped, strict=True):
-            try:
-                set_aside(root, step, reason)
-            except OSError as e:
-                # A read-only directory (a restore from an archived copy, EROFS/EACCES)
-                # is still worth restoring from: the corrupt step stays where it is and
-                # is skipped again by the next restore.
-                log.warning("could not set step %d aside as %s.corrupt (%s); it stays in "
-                            "place and is skipped again on every restore until it is "
-                            "removed: %s", step, step_dir(root, step).name, e.strerror or e,
-                            reason)
+    if tidy is not None:
+        tidy.note_restore(dict(zip(result.skipped_steps, result.skipped, strict=True)))
     manifest = result.manifest
     chain.advance(manifest)
     ledger.load_json(manifest.tokens)

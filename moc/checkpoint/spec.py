@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ class ExpertParam:
     the parameter belongs to a single expert (`nn.ModuleList` layout)."""
     global_ids: tuple[int, ...]
     """Global expert id of each slice along `expert_dim` (one id when expert_dim is None)."""
+    container: str | None = None
+    """Name of the `nn.ModuleList` holding the expert (`name` is `<container>.<i>.<rest of
+    stem>`), None for batched tensors or when unknown; export rebuilds names from it."""
 
 
 Offset = int | Callable[[int], int]
@@ -97,7 +101,7 @@ class ExpertSpec:
                 for i, child in enumerate(container):
                     for rel, _ in child.named_parameters():
                         params.append(ExpertParam(f"{prefix}{i}.{rel}", f"{prefix}{rel}", layer,
-                                                  None, (offset + i,)))
+                                                  None, (offset + i,), mod_name))
                 continue
             direct = list(container.named_parameters(recurse=False))
             sizes = {p.shape[0] if p.dim() else None for _, p in direct}
@@ -139,6 +143,28 @@ class ExpertSpec:
     def stems(self) -> dict[str, int]:
         """Key stem -> MoE layer, as recorded in manifests."""
         return {p.stem: p.moe_layer for p in self.params}
+
+    def names(self) -> dict[str, dict[str, Any]]:
+        """Key stem -> how the model names that tensor of its experts, as manifests record
+        it (`experts.params`) so that an export rebuilds the model's own state dict from
+        the files alone:
+
+            {"dim": 0}                      batched: one parameter named <stem>, every
+                                            expert of the layer stacked along dim 0
+            {"container": "<module>"}       nn.ModuleList: expert g's parameter is
+                                            <module>.<g>.<rest of the stem>
+
+        A stem whose layout this process cannot tell (a hand-built spec without
+        `container`) is left out; exporting it then says so."""
+        out: dict[str, dict[str, Any]] = {}
+        for p in self.params:
+            if p.expert_dim is not None:
+                out[p.stem] = {"dim": p.expert_dim}
+                continue
+            container = p.container if p.container is not None else _container_of(p)
+            if container is not None:
+                out[p.stem] = {"container": container}
+        return out
 
 
 def expert_key(kind: str, stem: str, expert: int, state: str | None = None) -> str:
@@ -207,6 +233,15 @@ def slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor
         return
     for i, gid in enumerate(ep.global_ids):
         yield gid, t.detach().select(ep.expert_dim, i)
+
+
+def _container_of(p: ExpertParam) -> str | None:
+    """The ModuleList of a per-expert parameter, from its name and stem: the name has one
+    more component, the expert's index (None when that cannot be told)."""
+    parts = p.name.split(".")  # name = <container>.<i>.<rel>, stem = <container>.<rel>
+    found = [j for j, part in enumerate(parts)
+             if part.isdigit() and ".".join(parts[:j] + parts[j + 1:]) == p.stem]
+    return ".".join(parts[:found[0]]) if len(found) == 1 else None
 
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:

@@ -123,7 +123,25 @@ class TorchOptimizerState:
             set_hyperparameters(self.optimizer.param_groups, groups)
 
 
+class NoOptimizer:
+    """The optimizer of a model-only engine (`optimizer=None`): it owns no parameters and
+    holds no state, so a restore installs the model alone and whatever optimizer state
+    the checkpoint holds is not read."""
+
+    def owned_names(self) -> list[str]:
+        return []
+
+    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {}
+
+    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        assert not states, "a model-only restore reads no optimizer state"
+
+
 def as_optimizer_state(optimizer: object, model: nn.Module) -> OptimizerState:
+    """The engines' view of `optimizer`; None gives a model-only one (`NoOptimizer`)."""
+    if optimizer is None:
+        return NoOptimizer()
     if isinstance(optimizer, OptimizerState):
         return optimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -498,7 +516,9 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
         names[n] = reader.state_names(prefix)
     with_state = {n: p for n, p in owned.items() if names[n]}
     states = optimizer_state(with_state, names, spec, reader.get)
-    rng = reader.get(rng_key(rank)) if rng_key(rank) in reader else None
+    # A model-only restore (inference) leaves the process's RNG alone: it resumes no run.
+    model_only = isinstance(optimizer, NoOptimizer)
+    rng = reader.get(rng_key(rank)) if rng_key(rank) in reader and not model_only else None
 
     load_params(model, spec, params.__getitem__)
     with torch.no_grad():

@@ -174,6 +174,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         g, dist, chain, ledger = parts.groups, parts.dist, parts.chain, parts.ledger
         invalid = None
         try:
+            parts.check_can_save()
             extra_state = checked_save(step, extra_state)
         except ValueError as e:
             invalid = e
@@ -189,6 +190,8 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         begun = None
         if g.rank == 0:
             try:
+                if parts.tidy is not None:
+                    parts.tidy.before_write()  # what the last restore left for the write path
                 begin_step(self.root, step)
             except OSError as e:
                 begun = f"rank 0 could not create the step directory: {e}"
@@ -273,7 +276,8 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         """Load the newest intact checkpoint into the model and optimizer; None if the
         directory holds none. Collective."""
         p = self.parts
-        return resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain, p.ledger)
+        return resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain, p.ledger,
+                                   p.tidy)
 
     def close(self) -> None:
         """Finish background work (retention) and raise any error it met, on every
@@ -288,7 +292,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         finally:
             p.release()
         if (not self._final and p.chain.manifest is not None and p.ledger.k < p.spec.n_experts
-                and p.groups.rank == 0):
+                and p.groups.rank == 0 and not p.model_only):
             log.warning("the newest checkpoint (step %d) is partial (K=%d of %d experts "
                         "per layer); pass final=True to the last save for a complete one",
                         p.chain.manifest.step, p.ledger.k, p.spec.n_experts)

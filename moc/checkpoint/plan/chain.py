@@ -33,11 +33,16 @@ class ChainState:
     snapshot thread in the two-level one; its caller only after `wait_for_snapshot`).
     """
 
-    def __init__(self, spec: ExpertSpec, policy: PECPolicy, ep: int) -> None:
+    def __init__(self, spec: ExpertSpec, policy: PECPolicy, ep: int,
+                 model_config: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.policy = policy
         self.ep = ep
         self.stems = spec.stems()
+        self.names = spec.names()
+        """Stem -> how the model names its experts' tensors (`ExpertSpec.names`)."""
+        self.model_config = model_config or {}
+        """The model's own configuration (a transformers config as JSON), for export."""
         self.manifest: Manifest | None = None
         """The newest committed manifest of this chain (None: the next save starts one)."""
         self.index = 0
@@ -122,7 +127,9 @@ class ChainState:
             "step": step, "mode": mode, "layout": dict(layout), "model": model_meta,
             "extra": extra or {},
             "experts": {"n_experts": self.spec.n_experts,
-                        "n_moe_layers": self.spec.n_moe_layers, "stems": self.stems},
+                        "n_moe_layers": self.spec.n_moe_layers, "stems": self.stems,
+                        "params": self.names},
+            "model_config": self.model_config,
             "policy": {**self.policy.to_dict(), **ledger.policy_json(), "index": self.index},
             "experts_saved": {str(m): list(e) for m, e in enumerate(written)},
             "tokens": {**ledger.to_json(), "at_save": ledger.at_save_after(written).tolist()},

@@ -87,10 +87,17 @@ class Manifest:
     tokens: dict[str, Any] = field(default_factory=dict)
     """Routed-token accounting for PLT (see moc.checkpoint.policy.tokens): cumulative counts
     per (layer, expert) at this step and at the save of each expert's newest copy."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """The model's own configuration (a transformers `config.to_dict()`), when it has one:
+    what `moc export` writes as config.json. Informational; restore never compares it."""
     version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         d = asdict(self)
+        if not d["model_config"]:
+            # Absent rather than empty: a manifest without it stays readable by releases
+            # that refuse unknown fields (0.3.0).
+            del d["model_config"]
         d = {"format": FORMAT_NAME, **d}
         return json.dumps(d, indent=1, sort_keys=True)
 
@@ -213,7 +220,7 @@ class _Malformed(ValueError):
 
 
 FIELDS = {"format", "version", "step", "mode", "layout", "model", "entries", "files",
-          "extra", "experts", "policy", "experts_saved", "tokens"}
+          "extra", "experts", "policy", "experts_saved", "tokens", "model_config"}
 ENTRY_FIELDS = {"step", "file", "dtype", "shape", "crc32"}
 POLICY_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "selection": (str,), "apply_to": (str,), "dynamic_k": (bool,),
@@ -293,9 +300,11 @@ def _parse(d: dict[str, Any], version: int) -> Manifest:
         cols = len(tokens["cumulative"][0]) if rows else n_experts
         _int_table(tokens["at_save"], rows, cols, "tokens.at_save")
         _int_table([tokens["lost"]], 1, rows, "tokens.lost")
+    model_config = _dict(d.get("model_config", {}), "model_config")
     return Manifest(step=step, mode=d["mode"], layout=layout, model=model, entries=entries,
                     files=files, extra=extra, experts=experts, policy=policy,
-                    experts_saved=experts_saved, tokens=tokens, version=FORMAT_VERSION)
+                    experts_saved=experts_saved, tokens=tokens, model_config=model_config,
+                    version=FORMAT_VERSION)
 
 
 def _entry(e: object, key: str, step: int, version: int) -> Entry:
@@ -330,6 +339,15 @@ def _experts(d: dict[str, Any]) -> dict[str, Any]:
         below = out.get("n_moe_layers")
         out["stems"] = {str(k): _uint(v, f"experts.stems[{k!r}]", below)
                         for k, v in _dict(out["stems"], "experts.stems").items()}
+    if "params" in out:
+        for stem, how in _dict(out["params"], "experts.params").items():
+            what = f"experts.params[{stem!r}]"
+            how = _dict(how, what)
+            if set(how) == {"dim"}:
+                _uint(how["dim"], f"{what}.dim")
+            elif not (set(how) == {"container"} and isinstance(how["container"], str)):
+                raise _Malformed(f"{what} is {how!r:.60}, expected {{dim: int}} or "
+                                 "{container: str}")
     return out
 
 

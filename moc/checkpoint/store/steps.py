@@ -15,7 +15,7 @@ In an object store (`store.backend.ObjectPath`: no rename, no fsync) the objects
 written straight into `step-N/`, each confirmed by the size the store reports, and
 the step is committed by writing its manifest last, after every object the manifest
 names is confirmed in one listing. A prefix without a manifest is never read, and is
-deleted by the writer (`begin_step` for its own step, `remove_abandoned` at restore).
+deleted by the writer (`begin_step` for its own step, `remove_abandoned` at its first save).
 Re-committing step N deletes N's manifest before any object of N changes
 (docs/DECISIONS.md, "Issue 13: object storage").
 
@@ -167,17 +167,19 @@ def complete_steps(root: Path | ObjectPath) -> list[int]:
 
 
 def remove_abandoned(root: Path | ObjectPath) -> list[Path] | list[ObjectPath]:
-    """Delete `.tmp` directories left by an interrupted save.
+    """Delete `.tmp` directories left by an interrupted save (the write path: a writing
+    engine's first save; on an object store, the objects of a step without a manifest).
 
     A `.replaced` directory is the previous copy of a step that was being re-committed;
     if the crash came before the new copy took its name, it is the only good copy and is
-    put back instead of deleted.
+    put back instead of deleted (`put_back_replaced`).
     """
     root = open_root(root)
     if isinstance(root, ObjectPath):
         return _remove_abandoned_objects(root)
     if not root.is_dir():
         return []
+    put_back_replaced(root)
     removed = []
     for d in sorted(root.iterdir()):
         if not (d.is_dir() and d.name.startswith("step-")):
@@ -188,18 +190,38 @@ def remove_abandoned(root: Path | ObjectPath) -> list[Path] | list[ObjectPath]:
             d.unlink()
             removed.append(d)
             continue
-        if d.name.endswith(".replaced"):
-            final = root / d.name.removesuffix(".replaced")
-            if not (final / MANIFEST).is_file():
-                if final.exists():
-                    shutil.rmtree(final)
-                d.rename(final)
-                continue
-        elif not d.name.endswith(".tmp"):
+        if not d.name.endswith((".tmp", ".replaced")):
             continue
         shutil.rmtree(d)
         removed.append(d)
     return removed
+
+
+def interrupted_commits(root: Path | ObjectPath) -> list[Path]:
+    """`.replaced` directories that are the only good copy of their step: a crash fell
+    between commit_step's two renames, so `step-N` has no manifest. Reads only. None on
+    an object store, whose commit renames nothing (the manifest is the commit)."""
+    root = open_root(root)
+    if isinstance(root, ObjectPath) or not root.is_dir():
+        return []
+    return [d for d in sorted(root.iterdir())
+            if d.name.startswith("step-") and d.name.endswith(".replaced")
+            and d.is_dir() and not d.is_symlink()
+            and not (root / d.name.removesuffix(".replaced") / MANIFEST).is_file()]
+
+
+def put_back_replaced(root: Path | ObjectPath) -> list[Path]:
+    """Finish the re-commits a crash interrupted: each `interrupted_commits` directory
+    takes its step's name back (the only rename a restore of a writing engine makes:
+    without it the step's newest good copy is invisible). Returns the steps put back."""
+    out = []
+    for d in interrupted_commits(root):
+        final = d.parent / d.name.removesuffix(".replaced")
+        if final.exists():
+            shutil.rmtree(final)
+        d.rename(final)
+        out.append(final)
+    return out
 
 
 def set_aside(root: Path, step: int, reason: str) -> Path:

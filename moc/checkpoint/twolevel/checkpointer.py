@@ -74,11 +74,11 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.recovery import resume_from_storage
+from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.backend import ObjectPath
-from moc.checkpoint.store.steps import complete_steps, remove_abandoned
+from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
@@ -233,12 +233,17 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                              "not reported yet); save each step once")
         rejected, extra = None, {}
         try:
+            self.parts.check_can_save()
             extra = checked_save(step, extra_state)
         except ValueError as e:
             if not self.parts.groups.distributed:
                 raise
             rejected = str(e)
         self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
+        if self.parts.tidy is not None and rejected is None:
+            # Rank 0, first save after start or restore (nothing is persisting then):
+            # what the restore left in place for the write path.
+            self.parts.tidy.before_write()
         counts = self.parts.ledger.take_pending()
         rng = torch.get_rng_state()
         ready = None
@@ -337,7 +342,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         p, planner = self.parts, self.planner
         self.flush()
         if p.groups.rank == 0:
-            remove_abandoned(p.root)
+            warn_interrupted_commits(p.root, repair=p.tidy is not None)
         storage = p.dist.broadcast(complete_steps(p.root))
         if not p.root.exists():
             # The checkpoint directory is gone (a fresh start was asked for): snapshots
@@ -348,7 +353,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if mem is None:
             planner.newest_slot = planner.persist_slot = None
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
-                                         p.ledger)
+                                         p.ledger, p.tidy, commits_checked=True)
             self.store.invalidate_newer_than(report.step if report is not None else -1)
             return report
         self.store.invalidate_newer_than(mem.step)
@@ -379,7 +384,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         failures = []
         try:
             self.flush()
-            why = self.planner.persist_newest(self.store)
+            # A model-only engine never writes: not even its newest snapshot (another
+            # job's, which it only read).
+            why = None if p.model_only else self.planner.persist_newest(self.store)
             if why is not None and p.groups.rank == 0:
                 log.warning("the newest checkpoint on storage is not complete: %s", why)
             # A retention error learned in that flush has no later plan to share it.

@@ -84,7 +84,8 @@ def test_the_template_is_the_manifest_but_its_entries():
     _, (first,) = _run(PECPolicy(k=2, dynamic_k=True), [10])
     assert first.step == 10 and first.mode == "pec" and first.extra == {"step": 10}
     assert first.experts == {"n_experts": N, "n_moe_layers": LAYERS,
-                             "stems": {"l0.experts.w": 0, "l1.experts.w": 1}}
+                             "stems": {"l0.experts.w": 0, "l1.experts.w": 1},
+                             "params": {"l0.experts.w": {"dim": 0}, "l1.experts.w": {"dim": 0}}}
     assert first.policy["k"] == 2 and first.policy["lost_base"] == [0, 0]
     assert first.tokens["at_save"] == first.tokens["cumulative"]  # every expert saved
 

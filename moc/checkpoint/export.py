@@ -1,0 +1,432 @@
+"""`moc export`: one checkpoint step as the model's own state dict, for inference or for
+another framework.
+
+    report = moc.export("ckpt/", "out/", format="hf")      # newest step
+    model = MixtralForCausalLM.from_pretrained("out/")
+
+A step's state is spread over rank files and, under partial experts checkpointing, over
+older steps (each expert's newest copy). The manifest says where every key lives, so the
+export needs neither the model object nor torch.distributed nor the world size the run
+had: it reads every `param/` and `buffer/` key through recovery's validated reader
+(checksums included) and names it back as the model named it:
+
+    param/<name>, buffer/<name>               <name>
+    param/<stem>/expert=<g>, batched          <stem>: every expert of the layer stacked
+                                              along the recorded dim ([E, ...], as
+                                              transformers' MixtralExperts holds them)
+    param/<stem>/expert=<g>, nn.ModuleList    <container>.<g>.<rest of the stem>
+
+The layout comes from the manifest (`experts.params`, written since this release);
+optimizer state and RNG are not exported. A step whose experts are not all as new as
+the step (a partial checkpoint) is refused unless `allow_partial`, which reports each
+expert's age. Reading never changes the checkpoint directory; the output is written into
+a temporary directory next to OUT and renamed into place.
+
+Formats: `hf` (sharded `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`),
+`safetensors` (one `model.safetensors`), `torch` (`pytorch_model.bin`, a `torch.save` of
+the state dict). Each gets `config.json` when the checkpoint stored the model's config
+(`model_config`: a transformers config, saved by the engines), and `moc-export.json`
+(where it came from, each expert's age).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moc.checkpoint.errors import CheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.format import ITEM_SIZES, write_safetensors
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import MANIFEST, complete_steps, fsync_dir
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("hf", "safetensors", "torch")
+DEFAULT_SHARD_BYTES = 5 * 10**9
+"""Largest `hf` shard: save_pretrained's long-standing default ("5GB"); a tensor larger
+than it gets a shard of its own."""
+MAX_CONFIG_BYTES = 1 << 20
+"""A model config is a few kB of JSON; anything larger is not stored in manifests (every
+manifest carries it), with a warning."""
+SAFETENSORS_METADATA = {"format": "pt"}
+"""What transformers' loader expects in a safetensors header."""
+
+
+class StaleExpertsError(CheckpointError):
+    """The step asked for is partial: some expert's newest copy is older than the step,
+    so its weights are not the model's at that step."""
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What `export` wrote."""
+
+    step: int
+    out: Path
+    format: str
+    files: list[str]
+    """Files written into `out`, by name."""
+    tensors: int
+    total_bytes: int
+    """Bytes of tensor data (what `metadata.total_size` of the hf index says)."""
+    config: bool
+    """Whether `config.json` was written (the checkpoint stored the model's config)."""
+    expert_age: dict[int, list[int]] = field(default_factory=dict)
+    """MoE layer -> age in steps of each expert's newest copy (0: saved at `step`)."""
+
+    @property
+    def partial(self) -> bool:
+        return any(a for ages in self.expert_age.values() for a in ages)
+
+
+# -- what the engines store for export --------------------------------------------------
+
+
+def model_config_of(model: nn.Module) -> dict[str, Any]:
+    """`model.config` as JSON (a transformers `PretrainedConfig`: `to_json_string`, else
+    anything with `to_dict`), for `config.json` on export; {} when the model has none or
+    it is not JSON. `architectures` is filled in as save_pretrained does."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    try:
+        if callable(getattr(config, "to_json_string", None)):
+            d = json.loads(config.to_json_string(use_diff=False))
+        elif callable(getattr(config, "to_dict", None)):
+            d = config.to_dict()
+        else:
+            return {}
+        text = json.dumps(d, allow_nan=False)  # strict JSON, as manifests are
+    except (TypeError, ValueError) as e:
+        log.warning("model.config is not JSON (%s); exports of its checkpoints will have no "
+                    "config.json", e)
+        return {}
+    if not isinstance(d, dict):
+        return {}
+    if len(text) > MAX_CONFIG_BYTES:
+        log.warning("model.config is %d bytes of JSON, over %d; not stored (exports will "
+                    "have no config.json)", len(text), MAX_CONFIG_BYTES)
+        return {}
+    if "architectures" in d and not d["architectures"]:
+        d["architectures"] = [type(model).__name__]
+    return d
+
+
+# -- the state dict a manifest describes ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor of the exported state dict: the keys it is read from, in order, and
+    how they are put together (`dim` None: one key as it is; else stacked along dim)."""
+
+    keys: tuple[str, ...]
+    dim: int | None
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEM_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key: layers.2 before layers.10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
+    """The model's own name -> where its tensor comes from, from the manifest alone.
+    Raises IncompatibleCheckpointError when the manifest does not say how the model
+    named its experts (written before moc recorded it)."""
+    entries = manifest.entries
+    layouts = manifest.experts.get("params")
+    n_experts = manifest.experts.get("n_experts")
+    experts: dict[str, dict[int, str]] = {}
+    out: dict[str, _Tensor] = {}
+
+    def put(name: str, t: _Tensor) -> None:
+        if name in out:
+            raise IncompatibleCheckpointError(
+                f"step {manifest.step}: two keys map to the parameter name {name!r} "
+                f"({out[name].keys[0]}, {t.keys[0]}); the manifest's experts.params is wrong")
+        out[name] = t
+
+    for key, entry in entries.items():
+        parsed = parse_expert_key(key)
+        if parsed is not None:
+            if parsed[0] == "param":
+                experts.setdefault(parsed[1], {})[parsed[2]] = key
+            continue
+        kind, _, name = key.partition("/")
+        if kind in ("param", "buffer"):
+            put(name, _Tensor((key,), None, entry.dtype, entry.shape))
+    if experts and not isinstance(layouts, dict):
+        raise IncompatibleCheckpointError(
+            f"step {manifest.step} was written by a moc release that did not record how the "
+            "model names its experts (the manifest has no experts.params), so their "
+            "parameter names cannot be rebuilt without the model: restore it with "
+            "moc.Checkpointer(model, optimizer, dir) and save it again with final=True, "
+            "then export the new step")
+    for stem, by_id in sorted(experts.items()):
+        how = layouts.get(stem)
+        ids = sorted(by_id)
+        want = list(range(n_experts if isinstance(n_experts, int) else len(ids)))
+        if ids != want:
+            raise IncompatibleCheckpointError(
+                f"step {manifest.step}: stem {stem!r} has experts {ids}, expected "
+                f"{want[0]}..{want[-1]}: the checkpoint does not hold every expert")
+        first = entries[by_id[0]]
+        if how is None:
+            raise IncompatibleCheckpointError(
+                f"step {manifest.step}: the manifest does not say how the model names the "
+                f"expert tensors of {stem!r} (experts.params has no entry: the engine's "
+                "ExpertSpec was built by hand without `container`); build it with "
+                "ExpertSpec.from_modules and save again")
+        if "dim" in how:
+            dim = how["dim"]
+            if any(entries[by_id[g]].shape != first.shape or entries[by_id[g]].dtype
+                   != first.dtype for g in ids) or dim > len(first.shape):
+                raise IncompatibleCheckpointError(
+                    f"step {manifest.step}: the experts of {stem!r} differ in shape or dtype "
+                    f"(or dim {dim} does not fit {first.shape}); they cannot be stacked")
+            shape = (*first.shape[:dim], len(ids), *first.shape[dim:])
+            put(stem, _Tensor(tuple(by_id[g] for g in ids), dim, first.dtype, shape))
+            continue
+        container = how["container"]
+        if container and not stem.startswith(container + "."):
+            raise IncompatibleCheckpointError(
+                f"step {manifest.step}: stem {stem!r} is not inside its recorded container "
+                f"{container!r}")
+        rest = stem[len(container) + 1:] if container else stem
+        for g in ids:
+            e = entries[by_id[g]]
+            name = f"{container}.{g}.{rest}" if container else f"{g}.{rest}"
+            put(name, _Tensor((by_id[g],), None, e.dtype, e.shape))
+    return {n: out[n] for n in sorted(out, key=_natural)}
+
+
+def expert_ages(manifest: Manifest) -> dict[int, list[int]]:
+    """MoE layer -> the age in steps of each expert's weights at the manifest's step:
+    the step minus the oldest step holding one of its `param/` tensors (0 when every
+    one was saved at this step). Optimizer state is not exported, so it is not counted."""
+    stems = manifest.experts.get("stems", {})
+    oldest: dict[tuple[int, int], int] = {}
+    for key, entry in manifest.entries.items():
+        parsed = parse_expert_key(key)
+        if parsed is None or parsed[0] != "param" or parsed[1] not in stems:
+            continue
+        at = (stems[parsed[1]], parsed[2])
+        oldest[at] = min(oldest.get(at, entry.step), entry.step)
+    ages: dict[int, list[int]] = {}
+    for (layer, g), saved in sorted(oldest.items()):
+        row = ages.setdefault(layer, [])
+        row += [0] * (g + 1 - len(row))
+        row[g] = manifest.step - saved
+    return ages
+
+
+def _stale_message(manifest: Manifest, ages: dict[int, list[int]],
+                   root: Path | ObjectPath) -> str:
+    stale = sum(1 for row in ages.values() for a in row if a)
+    total = sum(len(row) for row in ages.values())
+    oldest = max(a for row in ages.values() for a in row)
+    complete = _newest_complete_step(root, below=manifest.step)
+    hint = (f"; step {complete} is complete (--step {complete})" if complete is not None
+            else "; no older step is complete either")
+    return (f"step {manifest.step} is partial: {stale} of {total} experts' newest copies "
+            f"are older than the step (by up to {oldest} steps), so the export would not be "
+            f"the model at step {manifest.step}. Export a complete checkpoint (the final "
+            f"save of a run, save(final=True)){hint}; or pass allow_partial=True "
+            "(--allow-partial) to export it anyway, each expert at its age")
+
+
+def _newest_complete_step(root: Path | ObjectPath, below: int) -> int | None:
+    """The newest step below `below` whose every expert is as new as the step."""
+    for step in reversed([s for s in complete_steps(root) if s < below]):
+        try:
+            ages = expert_ages(Manifest.load(root, step))
+        except CheckpointError:
+            continue
+        if not any(a for row in ages.values() for a in row):
+            return step
+    return None
+
+
+# -- reading and writing ----------------------------------------------------------------
+
+
+def _read(reader: CheckpointReader, t: _Tensor) -> torch.Tensor:
+    """One tensor of the export, every key checked against its checksum."""
+    pieces = [reader.get(k) for k in t.keys]
+    return pieces[0] if t.dim is None else torch.stack(pieces, dim=t.dim)
+
+
+def _shards(plan: dict[str, _Tensor], limit: int) -> list[list[str]]:
+    """Names in order, cut into shards of at most `limit` bytes (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in plan.items():
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += t.nbytes
+    return shards
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor], reader: CheckpointReader,
+                 shard_size: int) -> list[str]:
+    """The tensor files of `fmt` in `tmp`; reads one shard's tensors at a time."""
+    if fmt == "torch":
+        state = {name: _read(reader, t) for name, t in plan.items()}
+        with open(tmp / "pytorch_model.bin", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return ["pytorch_model.bin"]
+    if fmt == "safetensors":
+        write_safetensors(tmp / "model.safetensors",
+                          {name: _read(reader, t) for name, t in plan.items()},
+                          metadata=SAFETENSORS_METADATA)
+        return ["model.safetensors"]
+    shards = _shards(plan, shard_size)
+    weight_map: dict[str, str] = {}
+    files = []
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(tmp / fname, {n: _read(reader, plan[n]) for n in names},
+                          metadata=SAFETENSORS_METADATA)
+        weight_map.update(dict.fromkeys(names, fname))
+        files.append(fname)
+    _write_json(tmp / "model.safetensors.index.json",
+                {"metadata": {"total_size": sum(t.nbytes for t in plan.values())},
+                 "weight_map": weight_map})
+    return [*files, "model.safetensors.index.json"]
+
+
+def _checked_out(root: Path | ObjectPath, out: Path, force: bool) -> None:
+    """Refuse an OUT that would change the checkpoint directory or lose other files."""
+    r, o = (None if isinstance(root, ObjectPath) else root.resolve()), out.resolve()
+    if r is not None and (o == r or r in o.parents or o in r.parents):
+        raise ValueError(f"OUT {out} is inside the checkpoint directory {root} (or holds "
+                         "it): export never writes into what it reads; choose another OUT")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"OUT {out} exists and is not a directory; choose another OUT")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"OUT {out} exists and is not empty; pass force=True (--force) to "
+                         "replace it, or choose another OUT")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out` (an empty or replaced `out` included), so that
+    OUT is either what it was or the complete export."""
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)  # replaces an empty directory
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _steps_message(root: Path | ObjectPath, step: int, steps: list[int]) -> str:
+    near = ([] if isinstance(root, ObjectPath)
+            else [d.name for d in sorted(root.glob(f"step-{step:08d}.*"))])
+    why = f" ({', '.join(near)} exists: not a complete step)" if near else ""
+    return (f"{root} has no complete step {step}{why}; complete steps: "
+            f"{', '.join(map(str, steps))}")
+
+
+def export(directory: str | Path, out: str | Path, *, step: int | None = None,
+           format: str = "hf", allow_partial: bool = False,
+           shard_size: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ExportReport:
+    """Write the model state of one step of the checkpoint `directory` into `out`, under
+    the model's own parameter names (see the module docstring). `step`: the newest
+    complete step by default. Reads `directory` and never changes it.
+
+    Raises ValueError for bad arguments (no checkpoint there, no such step, an OUT that is
+    not empty without `force`), StaleExpertsError for a partial step without
+    `allow_partial`, CorruptCheckpointError naming the file for a tensor that fails its
+    checks, IncompatibleCheckpointError when the manifest cannot name the tensors."""
+    root = open_root(directory)  # a local directory, or an object store URL
+    out = Path(os.path.abspath(out))  # "." has no name to rename
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1 byte, got {shard_size}")
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a directory; pass a checkpoint directory (the "
+                         "--ckpt-dir of a training run)")
+    steps = complete_steps(root)
+    if not steps:
+        raise ValueError(f"{root} holds no complete checkpoint step (no "
+                         f"step-NNNNNNNN/{MANIFEST}); is it the right directory?")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(_steps_message(root, step, steps))
+    _checked_out(root, out, force)
+    manifest = Manifest.load(root, step)
+    plan = state_dict_plan(manifest)
+    ages = expert_ages(manifest)
+    if any(a for row in ages.values() for a in row) and not allow_partial:
+        raise StaleExpertsError(_stale_message(manifest, ages, root))
+    reader = CheckpointReader(root, manifest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        files = _write_files(tmp, format, plan, reader, shard_size)
+        if manifest.model_config:
+            _write_json(tmp / "config.json", manifest.model_config)
+            files.append("config.json")
+        _write_json(tmp / "moc-export.json", {
+            "source": str(root if isinstance(root, ObjectPath) else root.resolve()),
+            "step": step, "format": format,
+            "expert_age": {str(m): row for m, row in ages.items()}})
+        files.append("moc-export.json")
+        fsync_dir(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportReport(step, out, format, files, len(plan),
+                        sum(t.nbytes for t in plan.values()), bool(manifest.model_config),
+                        ages)
+
+
+def format_export(report: ExportReport) -> str:
+    """What the CLI prints: where it went, and each expert's age when any is stale."""
+    lines = [f"exported step {report.step} ({report.tensors} tensors, "
+             f"{report.total_bytes / 1e6:.2f} MB, format {report.format}"
+             f"{', with config.json' if report.config else ''}) to {report.out}"]
+    if report.partial:
+        lines.append("PARTIAL: age in steps of each expert's weights (0 = saved at the step):")
+        lines += [f"  MoE layer {m}: " + " ".join(f"e{g}={a}" for g, a in enumerate(row))
+                  for m, row in report.expert_age.items()]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""What the read path leaves for the write path: abandoned `.tmp` directories and the
+corrupt steps a restore skipped.
+
+Reading a checkpoint directory never changes it (docs/DECISIONS.md, "Issue 13: read-only
+restore and export"): `restore()`, `moc export`, `verify` and `inspect` rename and delete
+nothing. A training job still has to clean up before it writes, for two reasons:
+
+- a corrupt step left in place would count among the newest steps for retention, so it
+  is set aside (`step-N.corrupt`, with CORRUPT.txt) before the job's first commit;
+- `.tmp` directories of interrupted saves take space, so they are removed then too.
+
+`WriteTidy` remembers what a restore found and does both at the first save after it:
+rank 0's caller thread, once per restore (a flag test on every later save).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.steps import (
+    MANIFEST,
+    remove_abandoned,
+    set_aside,
+    step_dir,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WriteTidy:
+    """Rank 0's deferred clean-up of a checkpoint directory. Owner: the engine's caller
+    thread (restore notes, save does)."""
+
+    def __init__(self, root: Path | ObjectPath) -> None:
+        self.root = open_root(root)
+        self.corrupt: dict[int, str] = {}
+        """Steps a restore found corrupt and skipped -> why."""
+        self.pending = True
+        """Whether the next save must tidy first: at the engine's first save, and after
+        every restore."""
+
+    def note_restore(self, skipped: dict[int, str]) -> None:
+        """A restore skipped these corrupt steps (left in place, as the read path must)."""
+        self.corrupt.update(skipped)
+        self.pending = True
+
+    def before_write(self) -> None:
+        """Set the noted corrupt steps aside and remove abandoned `.tmp` directories;
+        nothing when there is nothing pending. A directory that cannot be changed is
+        logged, not raised: the save itself then reports why it cannot write."""
+        if not self.pending:
+            return
+        self.pending = False
+        for step, reason in sorted(self.corrupt.items()):
+            if isinstance(self.root, ObjectPath):
+                # No rename in an object store: the step stays, its manifest names it
+                # corrupt to every later reader, and its number is re-committed over it.
+                log.warning("corrupt step %d of %s left in place (an object store cannot "
+                            "set it aside): %s", step, self.root, reason)
+                continue
+            if not (step_dir(self.root, step) / MANIFEST).is_file() \
+                    and not step_dir(self.root, step).is_symlink():
+                continue  # gone or re-committed meanwhile: nothing to set aside
+            try:
+                set_aside(self.root, step, reason)
+            except OSError as e:
+                log.warning("could not set the corrupt step %d aside (%s); it stays in "
+                            "place, and retention may count it among the newest steps: %s",
+                            step, e.strerror or e, reason)
+        self.corrupt.clear()
+        try:
+            remove_abandoned(self.root)
+        except OSError as e:
+            log.warning("could not remove abandoned .tmp directories in %s (%s)",
+                        self.root, e.strerror or e)
