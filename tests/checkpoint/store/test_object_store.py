@@ -190,11 +190,18 @@ def test_a_crash_between_the_objects_and_the_manifest_leaves_the_step_unread(s3_
     assert complete_steps(s3_url) == [1, 2]
     assert (root / LOCK_FILE).is_file()  # SIGKILL: the lock object outlives its holder
 
-    # The restart (same host, its holder gone) takes the lock over, restores step 2 and
-    # removes step 3's abandoned objects before anything is written.
-    report, _ = _restored(s3_url)
+    # The restart (same host, its holder gone) takes the lock over and restores step 2;
+    # reading changes nothing, so step 3's abandoned objects stay until the first save,
+    # which removes them before it writes.
+    model, opt = _build(1)
+    ckpt = Checkpointer(model, opt, s3_url, interval=1)
+    report = ckpt.restore()
     assert report.step == 2
+    assert set(object_steps(root)[3]) == {rank_file(0)}
+    ckpt.save(4, {"step": 4})
+    ckpt.close()
     assert 3 not in object_steps(root)
+    assert complete_steps(s3_url) == [1, 2, 4]
     assert verify_checkpoints(s3_url).ok
 
 
