@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.progress import progress
 from moc.train.cli_args import add_train_args, config_from_args, worker_argv
 from moc.train.config import TrainConfig
 
@@ -274,9 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from moc.checkpoint.export import DEFAULT_SHARD_BYTES, export, format_export
 
-            report = export(args.dir, args.out, step=args.step, format=args.format,
-                            allow_partial=args.allow_partial, force=args.force,
-                            shard_size=args.shard_size or DEFAULT_SHARD_BYTES)
+            with progress(None, "moc export", unit="MB") as bar:
+                def advance(nbytes: int, total: int) -> None:
+                    bar.set_total(total / 1e6)
+                    bar.update(nbytes / 1e6)
+
+                report = export(args.dir, args.out, step=args.step, format=args.format,
+                                allow_partial=args.allow_partial, force=args.force,
+                                shard_size=args.shard_size or DEFAULT_SHARD_BYTES,
+                                progress=advance)
             return _print(format_export(report)) or 0
         if args.command == "verify":
             from moc.checkpoint.tools import format_verify, verify_checkpoints

@@ -1,4 +1,5 @@
-"""Progress with an ETA for long work (training, benchmarks), for a human at a terminal.
+"""Progress with an ETA for long work (training, benchmarks, export), for a human at a
+terminal.
 
     with progress(total=len(runs), desc="bench size", unit="run") as bar:
         for name in runs:
@@ -55,9 +56,15 @@ class Progress:
         """A bar is being drawn."""
         return self._bar is not None
 
-    def update(self, n: int = 1) -> None:
+    def update(self, n: float = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
+
+    def set_total(self, total: float) -> None:
+        """The amount of work, once it is known (an export learns it from the manifest)."""
+        if self._bar is not None and self._bar.total != total:
+            self._bar.total = total
+            self._bar.refresh()
 
     def note(self, text: str) -> None:
         """Text after the bar (the loss, the configuration running); redrawn at once."""

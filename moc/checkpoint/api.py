@@ -2,11 +2,11 @@
 
     report = ckpt.restore()                  # RecoveryReport | None (a fresh start)
     start = report.step if report else 0
+    ckpt.watch_routing(model)                # routed tokens counted for PLT, Dynamic-K
     for step in range(start + 1, steps + 1):
         loss = model(batch); loss.backward()
         ckpt.wait_for_snapshot()             # the only place training may wait
         optimizer.step(); optimizer.zero_grad()
-        ckpt.record_routing(tokens_per_expert)   # moc's engines: watch_routing instead
         ckpt.maybe_save(step, extra_state={...}, final=step == steps)
         if ckpt.pending:                     # cheap: no work on ordinary steps
             for result in ckpt.drain_completed():
@@ -15,9 +15,11 @@
     results = ckpt.drain_completed()         # ... and reported
     ckpt.close()                             # releases background work, raises its errors
 
-moc's engines (`moc.Checkpointer`, `moc.TwoLevelCheckpointer`) also count routed tokens
+moc's engines (`moc.Checkpointer`, `moc.TwoLevelCheckpointer`) count routed tokens
 themselves: `ckpt.watch_routing(model)` once, before the loop, hooks the model's routers
-(`moc.checkpoint.routing`) and replaces the `record_routing` call.
+(`moc.checkpoint.routing`). The contract's own call is `record_routing(counts)`, once a
+step after `optimizer.step()`: what a loop calls instead of `watch_routing` (a router
+that cannot be hooked, or a baseline engine, which has no `watch_routing`).
 
 A failed checkpoint is logged and training goes on from the previous one; `max_failures`
 (default 3) failed checkpoints in a row, or a failed final one, raise on the caller's

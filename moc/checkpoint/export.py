@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,11 +298,11 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor], reader: CheckpointReader,
-                 shard_size: int) -> list[str]:
+def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor],
+                 read: Callable[[_Tensor], torch.Tensor], shard_size: int) -> list[str]:
     """The tensor files of `fmt` in `tmp`; reads one shard's tensors at a time."""
     if fmt == "torch":
-        state = {name: _read(reader, t) for name, t in plan.items()}
+        state = {name: read(t) for name, t in plan.items()}
         with open(tmp / "pytorch_model.bin", "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -309,7 +310,7 @@ def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor], reader: Checkpoi
         return ["pytorch_model.bin"]
     if fmt == "safetensors":
         write_safetensors(tmp / "model.safetensors",
-                          {name: _read(reader, t) for name, t in plan.items()},
+                          {name: read(t) for name, t in plan.items()},
                           metadata=SAFETENSORS_METADATA)
         return ["model.safetensors"]
     shards = _shards(plan, shard_size)
@@ -317,7 +318,7 @@ def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor], reader: Checkpoi
     files = []
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(tmp / fname, {n: _read(reader, plan[n]) for n in names},
+        write_safetensors(tmp / fname, {n: read(plan[n]) for n in names},
                           metadata=SAFETENSORS_METADATA)
         weight_map.update(dict.fromkeys(names, fname))
         files.append(fname)
@@ -363,7 +364,8 @@ def _steps_message(root: Path | ObjectPath, step: int, steps: list[int]) -> str:
 
 def export(directory: str | Path, out: str | Path, *, step: int | None = None,
            format: str = "hf", allow_partial: bool = False,
-           shard_size: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ExportReport:
+           shard_size: int = DEFAULT_SHARD_BYTES, force: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> ExportReport:
     """Write the model state of one step of the checkpoint `directory` into `out`, under
     the model's own parameter names (see the module docstring). `step`: the newest
     complete step by default. Reads `directory` and never changes it.
@@ -371,7 +373,11 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
     Raises ValueError for bad arguments (no checkpoint there, no such step, an OUT that is
     not empty without `force`), StaleExpertsError for a partial step without
     `allow_partial`, CorruptCheckpointError naming the file for a tensor that fails its
-    checks, IncompatibleCheckpointError when the manifest cannot name the tensors."""
+    checks, IncompatibleCheckpointError when the manifest cannot name the tensors.
+
+    `progress(nbytes, total)`, if given, is called after each tensor is read and
+    checked, with its bytes and the export's total: a hook for a progress bar (`moc
+    export` draws one on a terminal)."""
     root = open_root(directory)  # a local directory, or an object store URL
     out = Path(os.path.abspath(out))  # "." has no name to rename
     if format not in FORMATS:
@@ -401,7 +407,15 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        files = _write_files(tmp, format, plan, reader, shard_size)
+        total = sum(t.nbytes for t in plan.values())
+
+        def read(t: _Tensor) -> torch.Tensor:
+            tensor = _read(reader, t)
+            if progress is not None:
+                progress(t.nbytes, total)
+            return tensor
+
+        files = _write_files(tmp, format, plan, read, shard_size)
         if manifest.model_config:
             _write_json(tmp / "config.json", manifest.model_config)
             files.append("config.json")

@@ -118,6 +118,16 @@ def test_a_final_checkpoint_exports_the_trained_state_under_the_models_names(tmp
     fresh.load_state_dict(sd, strict=True)  # batched experts restored as [E, ...] tensors
 
 
+def test_export_reports_its_progress_tensor_by_tensor_up_to_the_total(tmp_path):
+    _checkpoints(tmp_path / "ckpt", 2, k=None, final=True)
+    calls: list[tuple[int, int]] = []
+    report = moc.export(tmp_path / "ckpt", tmp_path / "out", format="hf",
+                        progress=lambda n, total: calls.append((n, total)))
+    assert len(calls) == report.tensors
+    assert {total for _, total in calls} == {report.total_bytes}
+    assert sum(n for n, _ in calls) == report.total_bytes
+
+
 def test_modulelist_experts_export_as_their_modulelist_names(tmp_path):
     model, opt = _build(0)
     ckpt = moc.Checkpointer(model, opt, tmp_path / "ckpt", experts=_spec(model),

@@ -361,3 +361,19 @@ def test_moc_train_refuses_a_dcp_baseline_on_an_object_store(s3_url):
                         "--ckpt-dir", s3_url], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "writes a local directory" in r.stderr
+
+
+def test_export_reads_a_checkpoint_on_s3_without_changing_it(s3_url, tmp_path):
+    from safetensors.torch import load_file
+
+    import moc
+
+    model, _ = _train_and_save(s3_url, 3, policy=PECPolicy(k=1))
+    before = open_root(s3_url).listing()
+    report = moc.export(s3_url, tmp_path / "out", format="safetensors")
+    assert report.step == 3 and not report.partial
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert exported.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+    assert open_root(s3_url).listing() == before  # read only
