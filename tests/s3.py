@@ -15,16 +15,11 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from tests.distributed import free_port
-
-START_TIMEOUT_S = 60.0
+from moc.bench.persist import start_moto as moc_start_moto
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
@@ -33,23 +28,10 @@ def s3_env(endpoint: str) -> dict[str, str]:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    """Start a moto S3 server; (process, endpoint URL) once it answers."""
+    """Start a moto S3 server on 127.0.0.1 (the benchmark's own starter); (process,
+    endpoint URL) once it answers."""
     pytest.importorskip("moto.server", reason="the object storage tests need moto[server]")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            return proc, endpoint
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto server did not start on {endpoint}") from None
-            time.sleep(0.1)
+    return moc_start_moto()
 
 
 @pytest.fixture(scope="session")
