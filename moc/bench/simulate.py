@@ -915,4 +915,4 @@ if __name__ == "__main__":
     # Through the `moc` command line, for its one-line errors.
     from moc.cli import main as moc_main
 
-    sys.exit(moc_main(["simulate", "--", *sys.argv[1:]]))
+    sys.exit(moc_main(["simulate", *sys.argv[1:]]))  # moc_main adds the "--"

@@ -345,3 +345,17 @@ def test_cli_peers_rejects_bad_input(tmp_path, args, message):
     path = write(tmp_path, overhead_json())
     with pytest.raises(ValueError, match=_re(message)):
         sim.main(["--overhead", str(path), "--peers", *args])
+
+
+def test_module_entry_point_runs_the_peer_table(tmp_path):
+    # `python -m moc.bench.simulate` goes through the `moc` command line (its one-line
+    # errors); it used to hand on a second "--" and refuse every option.
+    import subprocess
+    import sys
+
+    path = write(tmp_path, overhead_json())
+    r = subprocess.run([sys.executable, "-m", "moc.bench.simulate", "--overhead", str(path),
+                        "--peers", "--gpus", "1024"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| 1024 | 128 | " in r.stdout and "| moc+peers |" in r.stdout
