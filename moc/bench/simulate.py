@@ -24,6 +24,11 @@ The model (first order, the one behind Young/Daly's interval; docs/SIMULATE.md):
     sqrt(2 C / λ) / T is printed beside it for reference (the two agree when λ R and
     C / W are small).
 
+`--peers` prints another table: node faults on 2,048 and 16,384 GPUs (`--gpus`) with the
+state sized from a model (default DeepSeek-V3's), for blocking, dcp-async, moc and moc
+with peer replicas (each node's snapshot in the host memory of node (i + jump) mod n);
+docs/SIMULATE.md "Peer tier" has its formulas, docs/SCALING.md its figures.
+
 `--validate` checks how the measured components combine on real `moc train` runs with
 deterministic faults (a SIGKILL every F steps); see `validate` below.
 """
@@ -492,6 +497,10 @@ DEFAULT_BYTES_PER_PARAM = 14
 """Checkpointed bytes per parameter: bf16 weights (2) + fp32 master weights (4) + fp32
 Adam m and v (4 + 4). Gradients are not checkpointed."""
 
+N_SLOTS_OWN = 3
+"""moc's own snapshot slots per node (moc.checkpoint.twolevel.slots.N_SLOTS, not imported:
+the simulator stays free of torch)."""
+
 REPLICA_SLOTS = 2
 """Replica slots per node: one complete (checksums verified) replica is kept while the
 next is being received, so a node loss during a transfer still finds a whole one."""
@@ -688,11 +697,6 @@ def scale_table(costs: list[Costs], model: ModelSize, *, gpus: list[int], gpus_p
     return rows
 
 
-N_SLOTS_OWN = 3
-"""moc's own snapshot slots per node (moc.checkpoint.twolevel.slots.N_SLOTS, not imported:
-the simulator stays free of torch)."""
-
-
 def scale_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| GPUs | nodes | a failure every | strategy | R | best I | ETTR at best I "
              "| replica / node | t_rep | lag | NIC share | P(peer lost) | P(both in W) "
@@ -866,6 +870,9 @@ def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
     """`moc simulate --peers`: the scale table (`scale_table`)."""
     names = args.strategies or [n for n in ("blocking", "dcp-async", "moc")
                                 if n in result["strategies"]]
+    if "moc" not in names:
+        raise ValueError("--peers: the peer replicas are moc's; include moc in --strategies "
+                         f"(got {' '.join(names)})")
     if args.restart_s < 0:
         raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
     if args.replica_jump < 1:
@@ -885,7 +892,7 @@ def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
     rows = scale_table(costs, model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                        mtbf_hours=args.mtbf_hours, net_GBps=args.net_GBps,
                        storage_GBps=args.storage_GBps, k_replica=k_replica,
-                       peers_of="moc" if "moc" in names else None)
+                       peers_of="moc")
     print(f"node faults, MTBF {args.mtbf_hours:g} h per node; model {args.params_b:g}B "
           f"params ({model.expert_params / 1e9:.1f}B in {args.experts} routed experts per "
           f"layer), {args.bytes_per_param:g} B/param = {model.state_bytes() / 1e12:.2f} TB; "

@@ -340,6 +340,7 @@ def test_cli_peers_prints_the_scale_table_and_json(tmp_path, capsys):
     (["--gpus", "2050"], "--gpus: 2050 is not a multiple of --gpus-per-node 8"),
     (["--replica-jump", "256", "--gpus", "2048"], "sends node i's replica to itself"),
     (["--net-GBps", "0"], "--net-GBps must be > 0"),
+    (["--strategies", "blocking"], "--peers: the peer replicas are moc's; include moc"),
 ])
 def test_cli_peers_rejects_bad_input(tmp_path, args, message):
     path = write(tmp_path, overhead_json())
@@ -359,3 +360,9 @@ def test_module_entry_point_runs_the_peer_table(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "| 1024 | 128 | " in r.stdout and "| moc+peers |" in r.stdout
+
+
+def test_own_slot_count_mirrors_the_engine():
+    from moc.checkpoint.twolevel.slots import N_SLOTS
+
+    assert sim.N_SLOTS_OWN == N_SLOTS
