@@ -24,6 +24,11 @@ The model (first order, the one behind Young/Daly's interval; docs/SIMULATE.md):
     sqrt(2 C / λ) / T is printed beside it for reference (the two agree when λ R and
     C / W are small).
 
+`--peers` prints another table: node faults on 2,048 and 16,384 GPUs (`--gpus`) with the
+state sized from a model (default DeepSeek-V3's), for blocking, dcp-async, moc and moc
+with peer replicas (each node's snapshot in the host memory of node (i + jump) mod n);
+docs/SIMULATE.md "Peer tier" has its formulas, docs/SCALING.md its figures.
+
 `--validate` checks how the measured components combine on real `moc train` runs with
 deterministic faults (a SIGKILL every F steps); see `validate` below.
 """
@@ -466,6 +471,253 @@ def validation_markdown(v: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The peer tier, at scale (docs/SIMULATE.md "Peer tier", docs/SCALING.md)
+
+GPUS_PER_NODE = 8
+"""H100/H200 servers hold 8 GPUs (Llama 3's cluster above)."""
+
+SCALE_GPUS = (2048, 16384)
+"""The GPU counts of the scale table: a 256-node job and Llama 3 405B's 2,048 nodes."""
+
+DEFAULT_NET_GBPS = 25.0
+"""Network bandwidth per node left for replicas, GB/s: one 200 Gb/s NIC carries 25 GB/s,
+and an 8-GPU server has several (one per GPU on training fabrics); 25 GB/s is what one NIC
+gives, the low end (pass 50 for two 400 Gb/s NICs' worth)."""
+
+DEFAULT_STORAGE_GBPS = 2.0
+"""Read bandwidth of shared storage per node, GB/s, for a restore from storage at scale:
+a parallel file system delivering ~500 GB/s in aggregate, shared by 256 nodes, gives each
+about 2 GB/s (and 16x less each on 16x the nodes if the aggregate stays)."""
+
+DEEPSEEK_V3 = {"params_b": 671.0, "active_params_b": 37.0, "experts": 256, "top_k": 8}
+"""DeepSeek-V3's size: 671B parameters, 37B activated, 256 routed experts per MoE layer of
+which 8 are activated per token (one shared expert more, counted as non-expert state)."""
+
+DEFAULT_BYTES_PER_PARAM = 14
+"""Checkpointed bytes per parameter: bf16 weights (2) + fp32 master weights (4) + fp32
+Adam m and v (4 + 4). Gradients are not checkpointed."""
+
+N_SLOTS_OWN = 3
+"""moc's own snapshot slots per node (moc.checkpoint.twolevel.slots.N_SLOTS, not imported:
+the simulator stays free of torch)."""
+
+REPLICA_SLOTS = 2
+"""Replica slots per node: one complete (checksums verified) replica is kept while the
+next is being received, so a node loss during a transfer still finds a whole one."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """How much training state there is, split into routed experts and the rest."""
+
+    params_b: float
+    """Total parameters, in billions."""
+    active_params_b: float
+    """Parameters activated per token, in billions (non-expert + top_k routed experts)."""
+    experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Routed experts activated per token."""
+    bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
+    """Checkpointed bytes per parameter (weights + optimizer state)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.active_params_b <= self.params_b:
+            raise ValueError(f"--active-params-b must be in (0, --params-b = "
+                             f"{self.params_b}], got {self.active_params_b}")
+        if not 1 <= self.top_k < self.experts:
+            raise ValueError(f"--top-k must be in 1..{self.experts - 1} (--experts "
+                             f"{self.experts}), got {self.top_k}")
+        if not self.bytes_per_param > 0:
+            raise ValueError(f"--bytes-per-param must be > 0, got {self.bytes_per_param}")
+        if self.nonexpert_params < 0:
+            raise ValueError(f"--params-b {self.params_b}, --active-params-b "
+                             f"{self.active_params_b} with top {self.top_k} of "
+                             f"{self.experts} experts leave no room for non-expert state")
+
+    @property
+    def expert_params(self) -> float:
+        """Routed-expert parameters: total - active = (experts - top_k) experts' worth, so
+        all routed experts are experts / (experts - top_k) times that."""
+        return (self.params_b - self.active_params_b) * 1e9 * self.experts / (
+            self.experts - self.top_k)
+
+    @property
+    def nonexpert_params(self) -> float:
+        """Everything else: attention, embeddings, norms, routers, shared experts."""
+        return self.params_b * 1e9 - self.expert_params
+
+    def state_bytes(self, k_experts: int | None = None) -> float:
+        """Checkpointed bytes of the whole job; with `k_experts`, of K experts per layer
+        (PEC) plus all non-expert state."""
+        k = self.experts if k_experts is None else k_experts
+        return self.bytes_per_param * (self.nonexpert_params
+                                       + self.expert_params * k / self.experts)
+
+
+def p_peer_lost(window_s: float, mtbf_hours: float) -> float:
+    """Given that a node fails, the probability that its peer (which holds its replica)
+    also failed within the `window_s` before: 1 - exp(-window / MTBF) for independent
+    exponential failures (memoryless: the peer's failure time is the same distribution
+    whatever the first node did)."""
+    if window_s < 0:
+        raise ValueError(f"the window must be >= 0 s, got {window_s}")
+    if not mtbf_hours > 0:
+        raise ValueError(f"--mtbf-hours must be > 0, got {mtbf_hours}")
+    return -math.expm1(-window_s / (mtbf_hours * 3600.0))
+
+
+def p_both_fail(window_s: float, mtbf_hours: float) -> float:
+    """The probability that a given node and its peer both fail within one window of
+    `window_s`: (1 - exp(-window / MTBF))^2, independent exponential failures."""
+    return p_peer_lost(window_s, mtbf_hours) ** 2
+
+
+@dataclass(frozen=True)
+class PeerTier:
+    """What the peer replicas cost and give, per node (docs/SIMULATE.md "Peer tier")."""
+
+    replica_bytes: float
+    """Bytes each node sends to its peer after a snapshot (and pulls back after a loss)."""
+    net_Bps: float
+    """Network bandwidth per node the replica may use, bytes per second."""
+    mtbf_hours: float
+    """MTBF of one node: how likely the peer is gone too."""
+
+    def __post_init__(self) -> None:
+        if not self.net_Bps > 0:
+            raise ValueError(f"--net-GBps must be > 0, got {self.net_Bps / 1e9}")
+        if not self.replica_bytes >= 0:
+            raise ValueError(f"replica bytes must be >= 0, got {self.replica_bytes}")
+
+    @property
+    def replicate_s(self) -> float:
+        """Time to send one replica (and to pull it back after a node loss)."""
+        return self.replica_bytes / self.net_Bps
+
+    def lag(self, w: float) -> int:
+        """Checkpoints per replica: 1 when a replica fits in the interval W; else a new
+        replica starts only when the previous one is done (a snapshot whose predecessor
+        is still on the wire is not sent), every ceil(t_rep / W) checkpoints."""
+        return max(1, math.ceil(self.replicate_s / w))
+
+    def lost_work_s(self, w: float) -> float:
+        """Expected work lost when recovering from the peer: replicas start every k W
+        (k = `lag`) and land t_rep later; a failure at u uniform in [0, k W) after a start
+        finds the newest one (age u) if u >= t_rep, the one before (age u + k W)
+        otherwise: k W / 2 + t_rep on average (W / 2 + t_rep when it fits)."""
+        return self.lag(w) * w / 2 + self.replicate_s
+
+    def window_s(self, w: float) -> float:
+        """How long a node's replica is exposed to its peer's loss: a replica is rebuilt
+        only by the next one, so a peer lost within one replica period plus the transfer
+        takes it away."""
+        return self.lag(w) * w + self.replicate_s
+
+    def net_share(self, w: float) -> float:
+        """Fraction of the replica bandwidth the replicas use on average."""
+        return self.replicate_s / (self.lag(w) * w)
+
+
+def ettr_peers(interval: int, costs: Costs, rate: float, peer: PeerTier) -> float:
+    """ETTR of a strategy with peer replicas under node faults: a failure costs the
+    restart + the pull from the peer + the peer's lost work, unless the peer was lost too
+    (`p_peer_lost` over `window_s`), when it costs R + W / 2 from storage as without."""
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1 step, got {interval}")
+    work = interval * costs.step_s
+    w = work + costs.ckpt_s
+    p = p_peer_lost(peer.window_s(w), peer.mtbf_hours)
+    from_peer = costs.restart_s + peer.replicate_s + peer.lost_work_s(w)
+    from_storage = costs.recovery_s + w / 2
+    per_failure = (1 - p) * from_peer + p * from_storage
+    return (work / w) * max(0.0, 1.0 - rate * per_failure)
+
+
+def best_interval_peers(costs: Costs, rate: float, peer: PeerTier) -> int | None:
+    """The best interval with peers. No closed form (the replica's lag and the peer-loss
+    window depend on W), so: a geometric grid of 400 points up to 100x the interval
+    without peers, then every integer within 2% of the grid's best."""
+    top = 100 * max(10, best_interval(costs, rate) or 10)
+    grid = sorted({max(1, round(top ** (k / 400))) for k in range(401)})
+    best = max(grid, key=lambda i: ettr_peers(i, costs, rate, peer))
+    span = max(2, best // 50)
+    best = max(range(max(1, best - span), best + span + 1),
+               key=lambda i: ettr_peers(i, costs, rate, peer))
+    return best if ettr_peers(best, costs, rate, peer) > 0 else None
+
+
+def scale_table(costs: list[Costs], model: ModelSize, *, gpus: list[int], gpus_per_node: int,
+                mtbf_hours: float, net_GBps: float, storage_GBps: float,
+                k_replica: int | None, peers_of: str | None) -> list[dict[str, Any]]:
+    """Per GPU count and strategy, node faults: the restore from storage reads this node's
+    share of the whole state at `storage_GBps`; `peers_of` (a strategy's name) also gets a
+    "<name>+peers" row whose replicas hold K experts per layer (`k_replica`, None: all) plus
+    all non-expert state."""
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if not storage_GBps > 0:
+        raise ValueError(f"--storage-GBps must be > 0, got {storage_GBps}")
+    if k_replica is not None and not 1 <= k_replica <= model.experts:
+        raise ValueError(f"--k-replica must be in 1..{model.experts} or all, got {k_replica}")
+    if peers_of is not None and peers_of not in [c.name for c in costs]:
+        raise ValueError(f"--peers needs the {peers_of!r} strategy in --strategies")
+    rows = []
+    for n_gpus in gpus:
+        if n_gpus < gpus_per_node or n_gpus % gpus_per_node:
+            raise ValueError(f"--gpus: {n_gpus} is not a multiple of --gpus-per-node "
+                             f"{gpus_per_node}")
+        nodes = n_gpus // gpus_per_node
+        rate = failure_rate(nodes, mtbf_hours)
+        own = model.state_bytes() / nodes
+        base = {"gpus": n_gpus, "nodes": nodes, "mtbf_hours": mtbf_hours,
+                "failure_every_h": 1 / rate / 3600, "state_bytes_per_node": own}
+        for c in costs:
+            c = Costs(c.name, c.step_s, c.ckpt_s, c.restart_s, own / (storage_GBps * 1e9),
+                      "storage")
+            best = best_interval(c, rate)
+            rows.append({**base, "strategy": c.name, "recovery_s": c.recovery_s,
+                         "best_interval": best,
+                         "ettr_best": ettr(best, c, rate) if best is not None else 0.0})
+            if c.name != peers_of:
+                continue
+            peer = PeerTier(model.state_bytes(k_replica) / nodes, net_GBps * 1e9, mtbf_hours)
+            best = best_interval_peers(c, rate, peer)
+            w = (best or 1) * c.step_s + c.ckpt_s
+            rows.append({**base, "strategy": f"{c.name}+peers",
+                         "recovery_s": c.restart_s + peer.replicate_s, "best_interval": best,
+                         "ettr_best": ettr_peers(best, c, rate, peer) if best else 0.0,
+                         "replica_bytes_per_node": peer.replica_bytes,
+                         "replicate_s": peer.replicate_s, "replica_lag": peer.lag(w),
+                         "net_share": peer.net_share(w),
+                         "p_peer_lost": p_peer_lost(peer.window_s(w), mtbf_hours),
+                         "p_both_fail_per_interval": p_both_fail(w, mtbf_hours),
+                         "host_bytes_per_node": N_SLOTS_OWN * own
+                         + REPLICA_SLOTS * peer.replica_bytes})
+    return rows
+
+
+def scale_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| GPUs | nodes | a failure every | strategy | R | best I | ETTR at best I "
+             "| replica / node | t_rep | lag | NIC share | P(peer lost) | P(both in W) "
+             "| host memory / node |",
+             "| ---: | ---: | ---: | --- | " + " | ".join(["---:"] * 10) + " |"]
+    for r in rows:
+        best = "-" if r["best_interval"] is None else str(r["best_interval"])
+        if "replica_bytes_per_node" in r:
+            extra = (f"{r['replica_bytes_per_node'] / 1e9:.1f} GB | {r['replicate_s']:.2f} s "
+                     f"| {r['replica_lag']} | {100 * r['net_share']:.1f}% "
+                     f"| {r['p_peer_lost']:.2e} | {r['p_both_fail_per_interval']:.2e} "
+                     f"| {r['host_bytes_per_node'] / 1e9:.0f} GB")
+        else:
+            extra = " | ".join(["-"] * 7)
+        lines.append(f"| {r['gpus']} | {r['nodes']} | {r['failure_every_h']:.2f} h "
+                     f"| {r['strategy']} | {r['recovery_s']:.1f} s | {best} "
+                     f"| {r['ettr_best']:.4f} | {extra} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,6 +751,42 @@ def main(argv: list[str] | None = None) -> int:
                         "node: every strategy restores from storage")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="plot ETTR against the interval here")
+    scale = p.add_argument_group(
+        "at scale, with the peer tier (node faults; docs/SIMULATE.md \"Peer tier\")")
+    scale.add_argument("--peers", action="store_true",
+                       help="instead of the table above: ETTR under node faults for each "
+                            "--gpus count (default blocking, dcp-async, moc), restores from "
+                            "storage sized by the model, plus moc with peer replicas")
+    scale.add_argument("--gpus", type=int, nargs="+", default=list(SCALE_GPUS),
+                       help=f"GPU counts of the --peers table (default "
+                            f"{' '.join(map(str, SCALE_GPUS))})")
+    scale.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                       help=f"default {GPUS_PER_NODE}")
+    scale.add_argument("--net-GBps", type=float, default=DEFAULT_NET_GBPS,
+                       help=f"network bandwidth per node for replicas, GB/s (default "
+                            f"{DEFAULT_NET_GBPS:g}: one 200 Gb/s NIC)")
+    scale.add_argument("--storage-GBps", type=float, default=DEFAULT_STORAGE_GBPS,
+                       help=f"storage read bandwidth per node, GB/s (default "
+                            f"{DEFAULT_STORAGE_GBPS:g}: ~500 GB/s shared by 256 nodes)")
+    scale.add_argument("--k-replica", default="all",
+                       help="experts per MoE layer in each replica, or all (default); "
+                            "non-expert state is always replicated")
+    scale.add_argument("--replica-jump", type=int, default=1,
+                       help="node i replicates to node (i + jump) mod n (default 1); with "
+                            "independent failures it does not change ETTR, it picks the "
+                            "failure domain (a jump of a rack's size leaves the rack)")
+    scale.add_argument("--params-b", type=float, default=DEEPSEEK_V3["params_b"],
+                       help="total parameters, billions (default 671: DeepSeek-V3)")
+    scale.add_argument("--active-params-b", type=float,
+                       default=DEEPSEEK_V3["active_params_b"],
+                       help="activated parameters per token, billions (default 37)")
+    scale.add_argument("--experts", type=int, default=DEEPSEEK_V3["experts"],
+                       help="routed experts per MoE layer (default 256)")
+    scale.add_argument("--top-k", type=int, default=DEEPSEEK_V3["top_k"],
+                       help="routed experts per token (default 8)")
+    scale.add_argument("--bytes-per-param", type=float, default=DEFAULT_BYTES_PER_PARAM,
+                       help=f"checkpointed bytes per parameter (default "
+                            f"{DEFAULT_BYTES_PER_PARAM}: bf16 weights + fp32 master + Adam)")
     p.add_argument("--validate", action="store_true",
                    help="instead: real tiny runs (2 ranks) with faults every F steps, the "
                         "model's prediction against the measured time (~2-3 minutes)")
@@ -527,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     result = load_overhead(args.overhead)
+    if args.peers:
+        return _main_peers(args, result)
     names = args.strategies or [n for n in result["strategies"] if n != "none"]
     if "none" in names:
         raise ValueError("--strategies: none takes no checkpoints, it is the reference T; "
@@ -566,8 +856,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _k_replica(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--k-replica must be a number of experts or all, got {text!r}"
+                         ) from None
+
+
+def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """`moc simulate --peers`: the scale table (`scale_table`)."""
+    names = args.strategies or [n for n in ("blocking", "dcp-async", "moc")
+                                if n in result["strategies"]]
+    if "moc" not in names:
+        raise ValueError("--peers: the peer replicas are moc's; include moc in --strategies "
+                         f"(got {' '.join(names)})")
+    if args.restart_s < 0:
+        raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
+    if args.replica_jump < 1:
+        raise ValueError(f"--replica-jump must be >= 1, got {args.replica_jump}")
+    for n_gpus in args.gpus:
+        nodes = n_gpus // max(1, args.gpus_per_node)
+        if nodes > 1 and args.replica_jump % nodes == 0:
+            raise ValueError(f"--replica-jump {args.replica_jump} sends node i's replica to "
+                             f"itself on {nodes} nodes; choose a jump that is not a "
+                             "multiple of the node count")
+    model = ModelSize(args.params_b, args.active_params_b, args.experts, args.top_k,
+                      args.bytes_per_param)
+    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=args.restart_s,
+                                       fault_kind="node", step_time=args.step_time,
+                                       scale_costs=args.scale_costs)
+    k_replica = _k_replica(args.k_replica)
+    rows = scale_table(costs, model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                       mtbf_hours=args.mtbf_hours, net_GBps=args.net_GBps,
+                       storage_GBps=args.storage_GBps, k_replica=k_replica,
+                       peers_of="moc")
+    print(f"node faults, MTBF {args.mtbf_hours:g} h per node; model {args.params_b:g}B "
+          f"params ({model.expert_params / 1e9:.1f}B in {args.experts} routed experts per "
+          f"layer), {args.bytes_per_param:g} B/param = {model.state_bytes() / 1e12:.2f} TB; "
+          f"replicas: {args.k_replica} experts per layer + non-expert state, jump "
+          f"{args.replica_jump}, {args.net_GBps:g} GB/s per node; storage "
+          f"{args.storage_GBps:g} GB/s per node; restart {args.restart_s:g} s; T and C "
+          f"from {args.overhead} ({basis} means)"
+          + (f"; T set to {args.step_time:g} s" + (", C scaled" if args.scale_costs else "")
+             if args.step_time is not None else ""))
+    print()
+    print(scale_markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"inputs": {"overhead": str(args.overhead), "mtbf_hours": args.mtbf_hours,
+                        "restart_s": args.restart_s, "step_time": args.step_time,
+                        "scale_costs": args.scale_costs, "basis": basis,
+                        "gpus_per_node": args.gpus_per_node, "net_GBps": args.net_GBps,
+                        "storage_GBps": args.storage_GBps, "k_replica": args.k_replica,
+                        "replica_jump": args.replica_jump, "model": asdict(model),
+                        "state_bytes": model.state_bytes(),
+                        "expert_params": model.expert_params},
+             "scale": rows}, indent=1))
+    return 0
+
+
 if __name__ == "__main__":
     # Through the `moc` command line, for its one-line errors.
     from moc.cli import main as moc_main
 
-    sys.exit(moc_main(["simulate", "--", *sys.argv[1:]]))
+    sys.exit(moc_main(["simulate", *sys.argv[1:]]))  # moc_main adds the "--"

@@ -238,3 +238,131 @@ def test_bad_input_through_the_moc_command_is_a_one_line_error(tmp_path, capsys)
     assert moc_main(["simulate", "--overhead", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moc simulate: error: --overhead ") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The peer tier
+
+
+def peer(replica_gb: float = 10.0, net_gbps: float = 25.0, mtbf: float = 6335.0
+         ) -> sim.PeerTier:
+    return sim.PeerTier(replica_gb * 1e9, net_gbps * 1e9, mtbf)
+
+
+def test_p_both_fail_matches_the_formula_and_a_monte_carlo():
+    import random
+
+    window_s, mtbf_h = 2 * 3600.0, 10.0
+    p = 1 - math.exp(-window_s / (mtbf_h * 3600))
+    assert sim.p_peer_lost(window_s, mtbf_h) == pytest.approx(p, rel=1e-12)
+    assert sim.p_both_fail(window_s, mtbf_h) == pytest.approx(p * p, rel=1e-12)
+    # Independent exponential failure times of a node and its peer, 4,000 pairs: the
+    # fraction with both within the window. Binomial sd = sqrt(p^2 (1 - p^2) / n) ~ 0.0045
+    # at p^2 ~ 0.033; 4 sd of tolerance.
+    rng = random.Random(14)
+    n = 4000
+    both = sum(rng.expovariate(1 / mtbf_h) < 2.0 and rng.expovariate(1 / mtbf_h) < 2.0
+               for _ in range(n))
+    sd = math.sqrt(p * p * (1 - p * p) / n)
+    assert abs(both / n - p * p) < 4 * sd
+
+
+def test_peer_tier_beats_moc_without_peers_when_replication_fits():
+    # Storage at 2 GB/s, the peer over a 25 GB/s network: pulling 10 GB from the peer
+    # (0.4 s) plus the replica's lag (0.4 s) beats reading 30 GB from storage (15 s).
+    for rate in (1e-5, 1e-4, 1e-3):
+        for interval in (5, 50, 500):
+            c = costs(step=2.0, ckpt=0.5, restart=60.0, restore=15.0)
+            p = peer(10.0)
+            assert p.lag(interval * c.step_s + c.ckpt_s) == 1
+            assert sim.ettr_peers(interval, c, rate, p) >= ettr(interval, c, rate)
+        best = sim.best_interval_peers(c, rate, p)
+        assert sim.ettr_peers(best, c, rate, p) >= ettr(best_interval(c, rate), c, rate)
+
+
+def test_best_interval_with_peers_matches_a_brute_force_search():
+    c, p, rate = costs(step=1.0, ckpt=2.0, restart=30.0, restore=20.0), peer(50.0), 1e-4
+    best = sim.best_interval_peers(c, rate, p)
+    brute = max(range(1, 5000), key=lambda i: sim.ettr_peers(i, c, rate, p))
+    assert sim.ettr_peers(best, c, rate, p) == pytest.approx(
+        sim.ettr_peers(brute, c, rate, p), rel=1e-9)
+
+
+def test_replication_longer_than_the_interval_lags_by_whole_intervals():
+    p = peer(replica_gb=100.0, net_gbps=10.0)  # t_rep = 10 s
+    assert p.replicate_s == pytest.approx(10.0)
+    assert p.lag(20.0) == 1 and p.lost_work_s(20.0) == pytest.approx(10.0 + 10.0)
+    # W = 4 s: a replica every 3 checkpoints, lost work 3 x 4 / 2 + 10, exposed 12 + 10 s.
+    assert p.lag(4.0) == 3
+    assert p.lost_work_s(4.0) == pytest.approx(16.0)
+    assert p.window_s(4.0) == pytest.approx(22.0)
+    assert p.net_share(4.0) == pytest.approx(10.0 / 12.0)
+    # A slow network makes the peer tier worse than storage; the model says so.
+    c = costs(step=1.0, ckpt=0.0, restart=10.0, restore=2.0)
+    assert sim.ettr_peers(4, c, 1e-4, p) < ettr(4, c, 1e-4)
+
+
+def test_model_size_splits_experts_from_the_rest():
+    m = sim.ModelSize(**sim.DEEPSEEK_V3)
+    # 671B - 37B = 248 experts' worth of the 256 routed: 634 x 256 / 248 = 654.5B.
+    assert m.expert_params == pytest.approx(634e9 * 256 / 248)
+    assert m.state_bytes() == pytest.approx(14 * 671e9)
+    assert m.state_bytes(1) == pytest.approx(14 * (671e9 - m.expert_params * 255 / 256))
+    with pytest.raises(ValueError, match=_re("--top-k must be in 1..255")):
+        sim.ModelSize(671, 37, 256, 256)
+
+
+def test_cli_peers_prints_the_scale_table_and_json(tmp_path, capsys):
+    result = overhead_json(**{"dcp-async": {
+        "stall_median_s": 0.03, "mean_step_time_s": 1.1, "mean_step_time_steady_s": 1.0,
+        "restore_storage_s": 0.3, "restore_memory_s": None}})
+    path, out = write(tmp_path, result), tmp_path / "peers.json"
+    assert sim.main(["--overhead", str(path), "--peers", "--step-time", "2", "--scale-costs",
+                     "--restart-s", "60", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| GPUs | nodes | a failure every | strategy | R | best I |" in text
+    for gpus in (2048, 16384):
+        for name in ("blocking", "dcp-async", "moc", "moc+peers"):
+            assert f"| {gpus} | {gpus // 8} | " in text and f"| {name} |" in text
+    rows = json.loads(out.read_text())["scale"]
+    assert [(r["gpus"], r["strategy"]) for r in rows] == [
+        (g, n) for g in (2048, 16384) for n in ("blocking", "dcp-async", "moc", "moc+peers")]
+    peers = [r for r in rows if r["strategy"] == "moc+peers"]
+    assert peers[0]["replica_bytes_per_node"] == pytest.approx(14 * 671e9 / 256)
+    assert peers[0]["replicate_s"] == pytest.approx(14 * 671e9 / 256 / 25e9)
+    moc = {r["gpus"]: r for r in rows if r["strategy"] == "moc"}
+    assert all(r["ettr_best"] >= moc[r["gpus"]]["ettr_best"] for r in peers)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--k-replica", "0"], "--k-replica must be in 1..256 or all, got 0"),
+    (["--k-replica", "some"], "--k-replica must be a number of experts or all"),
+    (["--gpus", "2050"], "--gpus: 2050 is not a multiple of --gpus-per-node 8"),
+    (["--replica-jump", "256", "--gpus", "2048"], "sends node i's replica to itself"),
+    (["--net-GBps", "0"], "--net-GBps must be > 0"),
+    (["--strategies", "blocking"], "--peers: the peer replicas are moc's; include moc"),
+])
+def test_cli_peers_rejects_bad_input(tmp_path, args, message):
+    path = write(tmp_path, overhead_json())
+    with pytest.raises(ValueError, match=_re(message)):
+        sim.main(["--overhead", str(path), "--peers", *args])
+
+
+def test_module_entry_point_runs_the_peer_table(tmp_path):
+    # `python -m moc.bench.simulate` goes through the `moc` command line (its one-line
+    # errors); it used to hand on a second "--" and refuse every option.
+    import subprocess
+    import sys
+
+    path = write(tmp_path, overhead_json())
+    r = subprocess.run([sys.executable, "-m", "moc.bench.simulate", "--overhead", str(path),
+                        "--peers", "--gpus", "1024"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| 1024 | 128 | " in r.stdout and "| moc+peers |" in r.stdout
+
+
+def test_own_slot_count_mirrors_the_engine():
+    from moc.checkpoint.twolevel.slots import N_SLOTS
+
+    assert sim.N_SLOTS_OWN == N_SLOTS
