@@ -2,20 +2,10 @@
 
     ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1),
                                     interval=10, keep_last=3)
-    report = ckpt.restore()                 # RecoveryReport | None (a fresh start)
-    start = report.step if report else 0
     ckpt.watch_routing(model)               # routed tokens, for PLT (moc.RoutingRecorder)
-    for step in range(start + 1, steps + 1):
-        loss = model(batch); loss.backward()
-        ckpt.wait_for_snapshot()            # the only place training may wait
-        optimizer.step(); optimizer.zero_grad()
-        ckpt.maybe_save(step, extra_state={...}, final=step == steps)
-        if ckpt.pending:                    # cheap: no work on ordinary steps
-            for result in ckpt.drain_completed():
-                log(result)
-    ckpt.flush()                            # the persists in flight are finished ...
-    results = ckpt.drain_completed()        # ... and reported
-    ckpt.close()
+
+The training loop around it is the contract's, the same for every engine (the module
+docstring of moc/checkpoint/api.py, the README and examples/ show it whole).
 
 Instead of `watch_routing`, a loop may hand the counts itself every step:
 `ckpt.record_routing(tokens_per_expert)`, (MoE layers, global experts) of this rank.
