@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from moc.progress import Progress, progress, wanted
+from moc.progress import Progress, progress
 
 
 class MetricsWriter:
@@ -57,9 +57,9 @@ class StepProgress:
     def __init__(self, total: int, start: int = 0, stream: TextIO = sys.stderr,
                  enabled: bool = True, bar: bool = True) -> None:
         self.total, self.stream, self.enabled = total, stream, enabled
-        self._bar: Progress | None = None
-        if enabled and bar and wanted(stream):
-            self._bar = progress(total, "train", "step", initial=start, stream=stream)
+        # Inert (no bar, plain writes) unless a human watches: see moc.progress.
+        self._bar: Progress = progress(total, "train", "step", initial=start, stream=stream,
+                                       disable=not (enabled and bar))
         self._last_pct = -1
         self._t0, self._start, self._step = time.perf_counter(), start, start
         self._ckpt_note = ""  # the last checkpoint's, kept on the bar until the next
@@ -67,7 +67,7 @@ class StepProgress:
     def update(self, step: int, loss: float, note: str = "") -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
+        if self._bar.active:
             self._bar.update(step - self._step)
             self._step = step
             self._ckpt_note = note or self._ckpt_note
@@ -84,18 +84,11 @@ class StepProgress:
             self.stream.flush()
 
     def message(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
+        if self.enabled:
             self._bar.write(text)
-        else:
-            self.stream.write(text + "\n")
-            self.stream.flush()
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._bar.close()
 
 
 def table(rows: list[tuple[str, str]], title: str) -> str:
