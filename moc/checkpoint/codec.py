@@ -42,7 +42,8 @@ def _types() -> dict[str, type]:
     from moc.checkpoint.store.manifest import Entry
     from moc.checkpoint.twolevel import protocol as p
 
-    classes = (Entry, RankError, p.Hello, p.Ready, p.Failed, p.Persist, p.Stop, p.Done)
+    classes = (Entry, RankError, p.Hello, p.Ready, p.Failed, p.Persist, p.Abandon, p.Stop,
+               p.Done)
     for cls in classes:
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
     return {cls.__name__: cls for cls in classes}

@@ -44,7 +44,7 @@ checkpoints in flight (owned by the caller's thread) and the one snapshot being 
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +68,10 @@ from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commit
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.backend import ObjectPath
+from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.twolevel.memory_restore import restore_from_memory
+from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
 from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
@@ -163,43 +165,56 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                              "memory:// store lives in one process, and the persist process "
                              "is another; use s3:// (or another shared store), a local "
                              "directory, or the synchronous engine (--ckpt-mode pec)")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", p.groups.world_size))
-        if local_world != p.groups.world_size:
-            raise ValueError("two-level checkpointing runs on one node in this release "
-                             f"({p.groups.world_size} ranks, {local_world} on this node); "
-                             "use --ckpt-mode pec across nodes")
+        try:
+            self.nodes = NodeLayout.from_env(p.groups.world_size)
+        except ValueError:
+            p.release()
+            raise
         k, self.auto_k_snapshot = parse_k_snapshot(k_snapshot, p.spec.n_experts)
         self.job = job or default_job_id(directory)
         self.store = SnapshotStore(self.job, p.groups.rank)
         self.worker = SnapshotWorker()
-        self.persist = self._start_persist()
+        self.persist, nonce = self._start_persist()
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
-            PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id), k,
+            PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
+                       nonce), k,
             on_commit=p.retention.request if p.retention is not None else None,
             failures=p.failures)
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
 
-    def _start_persist(self) -> PersistClient:
-        """Collective: rank 0 claims the job's shared memory and starts the persist
-        process; the other ranks connect only once rank 0 says it is up, and raise rank
-        0's error when it is not: every rank fails within seconds with the same line,
-        none waits out a connect timeout."""
-        p = self.parts
+    def _start_persist(self) -> tuple[PersistClient, str]:
+        """Collective: each node's leader claims the job's shared memory on its node and
+        starts the node's persist process; the other ranks connect only once every
+        leader says its process is up, and raise a leader's error when one is not: every
+        rank fails within seconds with the same line, none waits out a connect timeout.
+        Also: the job's nonce (rank 0's), and, across nodes, a check that every node
+        sees the same checkpoint directory. (this job's client, the nonce)"""
+        p, nodes = self.parts, self.nodes
         client, error = None, None
-        if p.groups.rank == 0:
+        leader = nodes.is_leader(p.groups.rank)
+        if leader:
             try:
+                if nodes.n_nodes > 1 and p.run_id is not None and (
+                        read_run_id(p.root) != p.run_id):
+                    raise CheckpointError(
+                        f"node {nodes.node(p.groups.rank)} does not see rank 0's checkpoint "
+                        f"directory {p.root} (no {p.run_id!r} run id there): across nodes "
+                        "the checkpoint directory must be storage every node sees (a shared "
+                        "file system or an object store URL)")
                 claim_job(self.job)
-                client = PersistClient(self.job, p.root, 0)
+                client = PersistClient(self.job, p.root, p.groups.rank, leader=True)
             except CheckpointError as e:
-                error = str(e)
-        error, generation = p.dist.broadcast(
-            (error, client.generation if client is not None else None))
-        if error is not None:
-            raise CheckpointError(error)
-        return client or PersistClient(self.job, p.root, p.groups.rank, generation)
+                error = f"node {nodes.node(p.groups.rank)}: {e}" if nodes.n_nodes > 1 else str(e)
+        errors = [e for e in p.dist.all_gather(error) if e is not None]
+        nonce = p.dist.broadcast(secrets.token_hex(8) if p.groups.rank == 0 else None)
+        if errors:
+            if client is not None:
+                client.stop()
+            raise CheckpointError(errors[0])
+        return client or PersistClient(self.job, p.root, p.groups.rank, 0, leader=False), nonce
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -387,7 +402,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             finally:
                 self.worker.stop()
                 self.store.release()
-                if p.groups.rank == 0 and not keep_snapshots:
+                if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
                     self._remove_snapshots()
                 if p.retention is not None:
                     p.retention.close()

@@ -50,12 +50,21 @@ from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_dir
+from moc.checkpoint.twolevel.commit import (
+    Abandoned,
+    clear_records,
+    gather_parts,
+    wait_begun,
+    write_begin,
+    write_part,
+)
 from moc.checkpoint.twolevel.protocol import (
     MAX_MESSAGE_BYTES,
     MAX_RESTARTS,
     PERSIST_GONE,
     PERSIST_TIMEOUT_S,
     SECRET_BYTES,
+    Abandon,
     Done,
     Failed,
     Hello,
@@ -76,7 +85,7 @@ second: a fresh interpreter importing torch). Rank 0 stops waiting as soon as th
 process exits."""
 STOP_TIMEOUT_S = 60.0
 """How long close() lets the persist process finish and exit before killing it."""
-_MESSAGES = (Hello, Ready, Failed, Persist, Stop, Done)
+_MESSAGES = (Hello, Ready, Failed, Persist, Abandon, Stop, Done)
 
 
 def socket_path(jdir: Path) -> str:
@@ -125,8 +134,10 @@ class PersistClient:
     """
 
     def __init__(self, job: str, root: Path | ObjectPath, rank: int,
-                 generation: int | None = None) -> None:
+                 generation: int | None = None, leader: bool | None = None) -> None:
         self.job, self.root, self.rank = job, open_root(root), rank
+        self.leader = rank == 0 if leader is None else leader
+        """Whether this rank runs its node's persist process (its local rank 0)."""
         self.jdir = secure_job_dir(job)
         self.alive = True
         """Rank 0's view: False once the process is found gone (or hung and killed)."""
@@ -136,7 +147,7 @@ class PersistClient:
         """Rank 0: persist processes started after the first (at most MAX_RESTARTS)."""
         self._lock = threading.Lock()
         self._conn: Connection | None = None
-        if rank == 0:
+        if self.leader:
             self._start()
         else:
             self._join(generation)
@@ -254,7 +265,7 @@ class PersistClient:
         """Rank 0: ask the process to stop and wait for it (killing it after
         STOP_TIMEOUT_S); every rank: close the connection."""
         try:
-            if self.rank == 0:
+            if self.leader:
                 self.send(Stop())
                 if self.process is not None:
                     try:
@@ -312,6 +323,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
     listener = Listener(path, family="AF_UNIX", authkey=secret)
     inbox: Queue = Queue()
     rank0: list[Connection] = []
+    abandoned: set[int] = set()
 
     def read(conn: Connection) -> None:
         while True:
@@ -328,6 +340,9 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 return
             if isinstance(msg, Hello) and msg.rank == 0:
                 rank0.append(conn)
+            if isinstance(msg, Abandon):  # read by a persist waiting on other nodes
+                abandoned.add(msg.step)
+                continue
             inbox.put(msg)
 
     def accept() -> None:
@@ -341,45 +356,51 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
             threading.Thread(target=read, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    ready: dict[int, dict[int, Ready]] = {}  # step -> rank -> its snapshot
-    pending: list[Persist] = []
-    failed: dict[int, str] = {}  # step -> why a rank's snapshot of it failed
-    while True:
-        if not _alive(parent_pid):
-            return  # rank 0 is gone: finish nothing, commit nothing
-        try:
-            msg = inbox.get(timeout=POLL_S)
-        except Empty:
-            msg = None
-        if isinstance(msg, Ready):
-            ready.setdefault(msg.step, {})[msg.rank] = msg
-        elif isinstance(msg, Failed):
-            failed.setdefault(msg.step, f"rank {msg.rank}'s snapshot of step {msg.step} "
-                                        f"failed: {msg.error}")
-        elif isinstance(msg, Persist):
-            pending.append(msg)
-        elif isinstance(msg, Stop):
-            return
-        if pending and pending[0].step in failed:
-            # A rank will never report this snapshot ready: nothing to write or commit.
-            req = pending.pop(0)
-            ready.pop(req.step, None)
-            result = Done(req.step, False, failed.pop(req.step))
-        elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
-            req = pending.pop(0)
-            # A URL becomes this process's own client, from its own environment.
-            result = _run(job, open_root(root), req, ready.pop(req.step), parent_pid)
-        else:
-            continue
-        for old in [s for s in ready if s < req.step]:
-            ready.pop(old)
-        for old in [s for s in failed if s < req.step]:
-            failed.pop(old)
-        if rank0:
+    try:
+        ready: dict[int, dict[int, Ready]] = {}  # step -> rank -> its snapshot
+        pending: list[Persist] = []
+        failed: dict[int, str] = {}  # step -> why a rank's snapshot of it failed
+        while True:
+            if not _alive(parent_pid):
+                return  # rank 0 is gone: finish nothing, commit nothing
             try:
-                rank0[0].send_bytes(codec.encode(result))
-            except OSError:
+                msg = inbox.get(timeout=POLL_S)
+            except Empty:
+                msg = None
+            if isinstance(msg, Ready):
+                ready.setdefault(msg.step, {})[msg.rank] = msg
+            elif isinstance(msg, Failed):
+                failed.setdefault(msg.step, f"rank {msg.rank}'s snapshot of step {msg.step} "
+                                            f"failed: {msg.error}")
+            elif isinstance(msg, Persist):
+                pending.append(msg)
+            elif isinstance(msg, Stop):
                 return
+            if pending and pending[0].step in failed:
+                # A rank will never report this snapshot ready: nothing to write or commit.
+                req = pending.pop(0)
+                ready.pop(req.step, None)
+                result = Done(req.step, False, failed.pop(req.step))
+            elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
+                req = pending.pop(0)
+                # A URL becomes this process's own client, from its own environment.
+                result = _run(job, open_root(root), req, ready.pop(req.step), parent_pid,
+                              lambda step=req.step: step in abandoned)
+            else:
+                continue
+            for old in [s for s in ready if s < req.step]:
+                ready.pop(old)
+            for old in [s for s in failed if s < req.step]:
+                failed.pop(old)
+            if rank0:
+                try:
+                    rank0[0].send_bytes(codec.encode(result))
+                except OSError:
+                    return
+    finally:
+        # Its socket may be gone with the node's memory (a node fault wipes it).
+        with contextlib.suppress(OSError):
+            listener.close()
 
 
 def _alive(pid: int) -> bool:
@@ -392,27 +413,79 @@ def _alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid: int
-         ) -> Done:
-    """Persist one step; its result, failures included."""
+def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid: int,
+         abandoned: Callable[[], bool] = lambda: False) -> Done:
+    """Persist one step; its result, failures included. On a node other than 0 a
+    failure is also written as the node's part, so that node 0 stops waiting for it."""
     t0 = time.perf_counter()
     time.sleep(float(os.environ.get(STALL_ENV, "0")))
+
+    def cancelled() -> bool:
+        return abandoned() or not _alive(parent_pid)
+
     try:
-        sizes = _persist(job, root, req, ready, parent_pid)
+        sizes = _persist(job, root, req, ready, cancelled)
         return Done(req.step, True, None, time.perf_counter() - t0, sizes)
-    except OSError as e:  # the storage's problem, described by `_persist`: no traceback
-        return Done(req.step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
     except Exception as e:
-        return Done(req.step, False,
-                    f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}",
-                    time.perf_counter() - t0)
+        if isinstance(e, (OSError, Abandoned)):  # described by `_persist`: no traceback
+            error = f"{type(e).__name__}: {e}"
+        else:
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        if req.node != 0 and not isinstance(e, Abandoned):
+            with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
+                write_part(root, req.step, req.node, req.nonce, error=error,
+                           keep_existing=True)
+        return Done(req.step, False, error, time.perf_counter() - t0)
 
 
-def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid: int
-             ) -> list[int]:
-    """Write and commit one step; the bytes written for each rank."""
+def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
+             cancelled: Callable[[], bool]) -> list[int]:
+    """Write one step's files of this node's ranks; on node 0 also wait for the other
+    nodes' parts and commit the manifest (`twolevel.commit`). The bytes written for
+    each rank of the job (on node j > 0: of its own ranks)."""
+    others = range(1, req.n_nodes)
+    if req.node == 0:
+        begin_step(root, req.step)
+        if others:
+            write_begin(root, req.step, req.nonce)
+    else:
+        wait_begun(root, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+    entries, files, held, sizes = _write_files(job, root, req, ready)
+    if req.node != 0:
+        write_part(root, req.step, req.node, req.nonce, entries=entries, files=files,
+                   held=sorted(held), bytes_per_rank=sizes)
+        return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+    for part in gather_parts(root, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled):
+        entries.update(part.entries)
+        files.update(part.files)
+        held.update(part.held)
+        sizes.update(part.bytes_per_rank)
+    if cancelled():
+        raise RuntimeError("the job is gone; step left uncommitted")
+    clear_records(root, req.step, others)
+    assert req.template is not None  # node 0's request carries it
     prev = Manifest.load(root, req.prev_step).entries if req.prev_step is not None else {}
-    begin_step(root, req.step)
+    # The state is what the ranks hold now: keys of ranks that no longer exist drop out.
+    all_entries = {k: e for k, e in prev.items() if k in held}
+    all_entries.update(entries)
+    missing = held - set(all_entries)
+    if missing:
+        raise RuntimeError(f"step {req.step}: {len(missing)} keys neither written nor in "
+                           f"step {req.prev_step}, e.g. {sorted(missing)[:3]}")
+    manifest = Manifest(entries=all_entries, files=files, **req.template)
+    text = manifest.to_json()
+    try:
+        commit_step(root, req.step, text)
+    except OSError as e:
+        raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
+                                f"of {len(text.encode())} bytes)") from None
+    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+
+
+def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready]
+                 ) -> tuple[dict[str, Entry], dict[str, int], set[str], dict[int, int]]:
+    """Write the file of each of this node's ranks straight from its snapshot slot:
+    (entries, file sizes, keys the ranks hold, bytes per rank)."""
     entries: dict[str, Entry] = {}
     files: dict[str, int] = {}
     held: set[str] = set()
@@ -439,23 +512,7 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent
         files[name] = path.stat().st_size
         entries.update({k: Entry(req.step, name, r.dtype, r.shape, r.crc32)
                         for k, r in records.items()})
-    if not _alive(parent_pid):
-        raise RuntimeError("the job is gone; step left uncommitted")
-    # The state is what the ranks hold now: keys of ranks that no longer exist drop out.
-    all_entries = {k: e for k, e in prev.items() if k in held}
-    all_entries.update(entries)
-    missing = held - set(all_entries)
-    if missing:
-        raise RuntimeError(f"step {req.step}: {len(missing)} keys neither written nor in "
-                           f"step {req.prev_step}, e.g. {sorted(missing)[:3]}")
-    manifest = Manifest(entries=all_entries, files=files, **req.template)
-    text = manifest.to_json()
-    try:
-        commit_step(root, req.step, text)
-    except OSError as e:
-        raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
-                                f"of {len(text.encode())} bytes)") from None
-    return [files.get(rank_file(r), 0) for r in range(req.world_size)]
+    return entries, files, held, {r: files.get(rank_file(r), 0) for r in ready}
 
 
 def _storage_error(e: OSError, what: str) -> OSError:

@@ -20,6 +20,7 @@ the next persist writes the experts the lost one would have.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -38,8 +39,10 @@ from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.twolevel.commit import write_part
+from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
-from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Done, Failed, Persist, Ready
+from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Abandon, Done, Failed, Persist, Ready
 from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
 from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.worker import SnapshotJob
@@ -71,6 +74,11 @@ class PlanConfig:
     run_id: str | None = None
     """The run the checkpoint directory belongs to; every snapshot carries it, and only
     snapshots of this run are ever restored (`store.identity`)."""
+    nodes: NodeLayout | None = None
+    """Which ranks share a node (None: one node); each node's leader speaks for its
+    persist process."""
+    nonce: str = ""
+    """This job's mark on the records of a commit across nodes (`twolevel.commit`)."""
 
 
 class SnapshotPlanner:
@@ -116,6 +124,9 @@ class SnapshotPlanner:
         raised on the caller's thread, on every rank at the same call."""
         self.final_steps: set[int] = set()
         """Steps checkpointed with `final`: their failure is fatal."""
+        nodes = config.nodes
+        self.per_node = nodes.per_node if nodes is not None else groups.world_size
+        self.n_nodes = nodes.n_nodes if nodes is not None else 1
         self.lock = threading.Lock()
         self.reports: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._unshared: list[Done] = []  # rank 0: results not yet shared
@@ -133,7 +144,12 @@ class SnapshotPlanner:
                 self.lock.release()
 
     def _receive(self, block: bool) -> None:
-        if self.groups.rank != 0 or self.in_flight is None:
+        if not self.client.leader or self.in_flight is None:
+            return
+        if self.groups.rank != 0:
+            # Another node's leader: its process answers for its own part only; node 0's
+            # answers for the commit. Read, so that the connection never fills up.
+            self.client.receive(self.in_flight, block=False)
             return
         for done in self.client.receive(self.in_flight, block):
             self._unshared.append(done)
@@ -148,28 +164,39 @@ class SnapshotPlanner:
         `counts` (this rank's routed tokens since the last save), the same all-reduce
         also sums them into the ledger, and counts the ranks that `rejected` this
         checkpoint (returned). `block`: first wait for the persist in flight."""
-        if self.groups.rank == 0:
+        if self.client.leader:
             self._receive(block)
             self._revive()
-        share = (self._unshared, self.in_flight, self.persist_alive, self.client.generation,
-                 self.choice, self._error)
-        summed = None
-        if counts is not None:
-            summed = torch.cat([counts.flatten(), torch.tensor([int(rejected)])])
-        done, in_flight, alive, generation, choice, error = self.dist.exchange(share, summed)
-        self._follow(generation)
+        share = (self._unshared, self.in_flight, self.choice, self._error)
+        # Summed in the same all-reduce: the counts, the ranks that rejected the save,
+        # and per node its persist process's generation (+1) and whether it is gone for
+        # good, each contributed by that node's leader alone.
+        n = self.n_nodes
+        node_info = torch.zeros(2 * n, dtype=torch.int64)
+        if self.client.leader:
+            node = self.groups.rank // self.per_node
+            node_info[node] = self.client.generation + 1
+            node_info[n + node] = int(not self.client.alive)
+        counted = counts.flatten() if counts is not None else torch.zeros(0, dtype=torch.int64)
+        summed = torch.cat([counted, torch.tensor([int(rejected)]), node_info])
+        done, in_flight, choice, error = self.dist.exchange(share, summed)
+        node_info = summed[-2 * n:]
+        self._follow(int(node_info[self.groups.rank // self.per_node]) - 1)
         self._unshared, self.choice, self._error = [], None, None
         self.shared_error = self.shared_error or error
-        n_rejected = 0
-        if summed is not None:
-            self.ledger.add_synced(summed[:-1])
-            n_rejected = int(summed[-1])
-        self.persist_alive = alive
+        if counts is not None:
+            self.ledger.add_synced(summed[:counted.numel()])
+        n_rejected = int(summed[counted.numel()])
+        # Any node's persist process gone for good stops every commit (node 0 waits for
+        # every part), so every rank treats persisting as lost.
+        self.persist_alive = not bool(node_info[n:].any())
         if choice is not None:
             self.k_snapshot, self.chosen = choice["k_snapshot"], choice
         for result in done:
             if self.groups.rank != 0:
                 self.reports.put(result)
+                if self.client.leader and not result.ok:
+                    self.client.send(Abandon(result.step))  # its process may be waiting
             if result.step == self.persist_slot_step:
                 self.persist_slot = None
             if result.ok:
@@ -186,12 +213,17 @@ class SnapshotPlanner:
         self.fatal = self.fatal or fatal
 
     def _revive(self) -> None:
-        """Rank 0, before an exchange: notice a dead persist process even when nothing
-        is in flight (an idle one can die too), report the persist it took with it as
-        failed, and start a new one (bounded: `PersistClient.restart`)."""
+        """A node's leader, before an exchange: notice a dead persist process even when
+        nothing is in flight (an idle one can die too), report the persist it took with
+        it as failed, and start a new one (bounded: `PersistClient.restart`). Another
+        node than 0 reports it on storage, where node 0's process waits for its part."""
         if self.client.check():
             return
-        if self.in_flight is not None:
+        if self.in_flight is not None and self.groups.rank != 0:
+            with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
+                write_part(self.config.root, self.in_flight, self.groups.rank // self.per_node,
+                           self.config.nonce, error=PERSIST_GONE, keep_existing=True)
+        elif self.in_flight is not None:
             lost = Done(self.in_flight, False, PERSIST_GONE)
             self._unshared.append(lost)
             self.reports.put(lost)
@@ -200,10 +232,21 @@ class SnapshotPlanner:
         self.persist_alive = self.client.alive
 
     def _follow(self, generation: int) -> None:
-        """Every rank but 0: connect to rank 0's new persist process when the exchange
-        says it started one. Blocks (seconds at most: it is listening already)."""
-        if self.groups.rank != 0 and generation != self.client.generation:
+        """Every rank but a leader: connect to its node leader's new persist process when
+        the exchange says it started one. Blocks (seconds at most: it is listening)."""
+        if not self.client.leader and generation != self.client.generation:
             self.client.reconnect(generation)
+
+    def _send_persist(self, step: int, prev_step: int | None,
+                      template: Callable[[], dict[str, Any]]) -> None:
+        """A node's leader: ask its persist process to persist `step`; node 0's request
+        carries the manifest's template (only node 0 commits)."""
+        if not self.client.leader:
+            return
+        node = self.groups.rank // self.per_node
+        self.client.send(Persist(step, prev_step, template() if node == 0 else None,
+                                 self.per_node, node, self.n_nodes, self.config.nonce,
+                                 self.groups.world_size))
 
     def take_error(self) -> str | None:
         """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last
@@ -251,15 +294,15 @@ class SnapshotPlanner:
         write = rank_share(self.state, g.layout, state, lambda key: True)
         self.final_steps.add(step)
         self.in_flight = step
-        if g.rank == 0:
+
+        def template() -> dict[str, Any]:
             ledger = copy.deepcopy(self.ledger)
             ledger.load_json(header.meta["ledger"])  # the counts as of that snapshot
-            template = chain.template(step, mode=self.config.mode, layout=header.meta["layout"],
-                                      model_meta=self.config.model_meta,
-                                      extra=header.meta["extra"],
-                                      written=chain.all_experts(), ledger=ledger)
-            self.client.send(Persist(step, m.step if m is not None else None, template,
-                                     g.world_size))
+            return chain.template(step, mode=self.config.mode, layout=header.meta["layout"],
+                                  model_meta=self.config.model_meta, extra=header.meta["extra"],
+                                  written=chain.all_experts(), ledger=ledger)
+
+        self._send_persist(step, m.step if m is not None else None, template)
         self.client.send(Ready(g.rank, step, self.newest_slot, write, list(header.entries)))
         self.share(block=True)
         return None
@@ -329,11 +372,10 @@ class SnapshotPlanner:
         if persist_now:
             self.persist_slot, self.persist_slot_step = slot, step
             self.in_flight = step
-            if rank == 0:
-                prev_step = chain.manifest.step if chain.manifest is not None else None
-                template = chain.template(step, mode=cfg.mode, layout=layout,
-                                          model_meta=cfg.model_meta, extra=extra,
-                                          written=written, ledger=ledger)
-                client.send(Persist(step, prev_step, template, g.world_size))
+            self._send_persist(
+                step, chain.manifest.step if chain.manifest is not None else None,
+                lambda: chain.template(step, mode=cfg.mode, layout=layout,
+                                       model_meta=cfg.model_meta, extra=extra,
+                                       written=written, ledger=ledger))
         return SnapshotJob(slot, snapshot_keys(state, experts, chain.stems, set(write)), meta,
                            sizing=state, on_done=on_done, on_error=on_error, outcome=outcome)

@@ -20,12 +20,21 @@ older one cannot speak to the new one.
                                                       and holds the keys `held`
     rank r -> persist    Failed(rank, step, error)    its snapshot of `step` failed: the
                                                       persist of `step` must not wait for it
-    rank 0 -> persist    Persist(step, prev_step, template, world_size)
-                                                      persist `step` once every rank is
-                                                      Ready, chained to `prev_step`
-    rank 0 -> persist    Stop()                       the job is closing
-    persist -> rank 0    Done(step, ok, error, seconds, bytes_per_rank)
+    leader -> persist    Persist(step, prev_step, template, world_size, node, n_nodes,
+                                 nonce, global_world)
+                                                      persist `step` once every rank of the
+                                                      node is Ready; node 0's process also
+                                                      commits it, chained to `prev_step`,
+                                                      once every node's part is written
+                                                      (`twolevel.commit`)
+    leader -> persist    Abandon(step)                `step` failed: stop waiting for it
+    leader -> persist    Stop()                       the job is closing
+    persist -> leader    Done(step, ok, error, seconds, bytes_per_rank)
                                                       `step` was committed (ok) or given up
+                                                      (node j > 0: its part was written)
+
+A node's leader is its local rank 0; "rank 0" below means the leader of each node for
+its own process, and global rank 0 (node 0's leader) for the commit's result.
 
 Ordering: a rank sends Ready or Failed for a step only after rank 0 decided to persist it
 (the decision is part of the plan, which every rank runs), but the persist process may
@@ -88,9 +97,26 @@ class Persist:
     step: int
     prev_step: int | None
     """The committed step whose manifest this one chains from (None: a new chain)."""
-    template: dict[str, Any]
-    """The manifest's fields except entries and files (JSON-ready)."""
+    template: dict[str, Any] | None
+    """The manifest's fields except entries and files (JSON-ready); None on a node other
+    than 0 (only node 0's process commits)."""
     world_size: int
+    """The ranks of this node: the persist waits for a Ready from each."""
+    node: int = 0
+    n_nodes: int = 1
+    nonce: str = ""
+    """The job's, shared by rank 0 at start: marks this job's records on storage
+    (`twolevel.commit`)."""
+    global_world: int = 0
+    """Ranks of the whole job (0: `world_size`), for Done's bytes_per_rank."""
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """A node leader -> its persist process: `step` failed elsewhere; stop waiting for
+    the other nodes' records of it."""
+
+    step: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""One commit across nodes: every node's persist process writes its ranks' files, node 0's
+commits the manifest once every node's part is on storage.
+
+    node 0's process                          node j's process (j > 0)
+    begin_step(step); write BEGIN(nonce)      wait for BEGIN(nonce)
+    write its ranks' files                    write its ranks' files, fsync
+    wait for PART(j, nonce) of every j        write PART(j, nonce): entries, files, held
+    merge, remove the records, commit         (or PART(j, nonce, error) when it failed)
+
+The records live in the step's temporary directory (its prefix in an object store),
+beside the files: storage is the one thing every node shares, and the handshake needs
+no connection between nodes' processes. `begin_step` discards an abandoned directory, so
+node j writes only after node 0's BEGIN: a file written before would be discarded with
+it (and in an object store, a re-committed step's old objects would be overwritten
+while its old manifest still names them). The `nonce` is the job's (rank 0's, shared at
+start), so a record left by an earlier job in a step directory it abandoned is never
+taken for this job's. The records are removed before the manifest is written: a
+committed step holds only what its manifest names.
+
+A part that never comes (node j's process died) ends the wait: its leader writes the
+failed PART itself when it finds the process gone (`write_part`), and every wait also
+stops when the persist is abandoned (`cancelled`) or its parent is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from moc.checkpoint.store.backend import ObjectPath
+from moc.checkpoint.store.manifest import Entry
+from moc.checkpoint.store.steps import fsync_dir, tmp_dir
+
+BEGIN = "moc-begin.json"
+POLL_S = 0.02
+"""How often a waiting persist process looks for a record (a stat on shared storage)."""
+
+
+def part_name(node: int) -> str:
+    return f"moc-part-node-{node:05d}.json"
+
+
+class Abandoned(RuntimeError):
+    """The persist was given up while waiting for another node (its step is failed)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one node's persist process wrote for a step."""
+
+    node: int
+    entries: dict[str, Entry]
+    files: dict[str, int]
+    held: list[str]
+    bytes_per_rank: dict[int, int]
+    error: str | None = None
+
+
+def _write_record(d: Path | ObjectPath, name: str, record: dict) -> None:
+    data = json.dumps(record).encode()
+    if isinstance(d, ObjectPath):
+        (d / name).write_confirmed(data)  # one put: whole or absent
+        return
+    tmp = d / f"{name}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, d / name)
+    fsync_dir(d)
+
+
+def _read_record(d: Path | ObjectPath, name: str) -> dict | None:
+    try:
+        return json.loads((d / name).read_text())
+    except (OSError, ValueError):  # not there (yet), or not whole: not a record
+        return None
+
+
+def write_begin(root: Path | ObjectPath, step: int, nonce: str) -> None:
+    """Node 0, right after `begin_step`: the other nodes may now write."""
+    _write_record(tmp_dir(root, step), BEGIN, {"nonce": nonce, "step": step})
+
+
+def wait_begun(root: Path | ObjectPath, step: int, nonce: str, timeout_s: float,
+               cancelled: Callable[[], bool]) -> Path | ObjectPath:
+    """Node j: block until node 0 has begun `step` for this job; its directory."""
+    d = tmp_dir(root, step)
+    _wait(lambda: (r := _read_record(d, BEGIN)) is not None and r.get("nonce") == nonce,
+          timeout_s, cancelled, f"node 0 to begin step {step} in {d}")
+    return d
+
+
+def write_part(root: Path | ObjectPath, step: int, node: int, nonce: str, *,
+               entries: dict[str, Entry] | None = None, files: dict[str, int] | None = None,
+               held: list[str] | None = None, bytes_per_rank: dict[int, int] | None = None,
+               error: str | None = None, keep_existing: bool = False) -> None:
+    """Node j's share of `step` is on storage (or failed, with `error`). `keep_existing`
+    (a leader reporting its dead process): a part already written stays."""
+    d = tmp_dir(root, step)
+    if keep_existing:
+        found = _read_record(d, part_name(node))
+        if found is not None and found.get("nonce") == nonce:
+            return
+        if isinstance(d, Path) and not d.is_dir():
+            return  # node 0 never began it: nobody waits for this part
+    _write_record(d, part_name(node), {
+        "nonce": nonce, "node": node, "error": error,
+        "entries": {k: [e.step, e.file, e.dtype, list(e.shape), e.crc32]
+                    for k, e in (entries or {}).items()},
+        "files": files or {}, "held": held or [],
+        "bytes_per_rank": {str(r): n for r, n in (bytes_per_rank or {}).items()}})
+
+
+def gather_parts(root: Path | ObjectPath, step: int, nodes: range, nonce: str,
+                 timeout_s: float, cancelled: Callable[[], bool]) -> list[Part]:
+    """Node 0: every other node's part of `step`, waiting for the missing ones. Raises
+    RuntimeError naming the node whose part failed or never came."""
+    d = tmp_dir(root, step)
+    found: dict[int, dict] = {}
+
+    def all_in() -> bool:
+        for node in nodes:
+            if node not in found:
+                r = _read_record(d, part_name(node))
+                if r is not None and r.get("nonce") == nonce:
+                    found[node] = r
+                    if r.get("error"):
+                        raise RuntimeError(f"node {node}'s persist of step {step} failed: "
+                                           f"{r['error']}")
+        return len(found) == len(nodes)
+
+    _wait(all_in, timeout_s, cancelled, f"the parts of nodes {list(nodes)} of step {step}")
+    return [Part(node, {k: Entry(int(s), str(f), str(t), tuple(shape), int(c))
+                        for k, (s, f, t, shape, c) in r["entries"].items()},
+                 {str(k): int(v) for k, v in r["files"].items()}, list(r["held"]),
+                 {int(k): int(v) for k, v in r["bytes_per_rank"].items()})
+            for node, r in sorted(found.items())]
+
+
+def clear_records(root: Path | ObjectPath, step: int, nodes: range) -> None:
+    """Node 0, before the manifest: a committed step holds only what its manifest names."""
+    d = tmp_dir(root, step)
+    for name in [BEGIN, *map(part_name, nodes)]:
+        (d / name).unlink(missing_ok=True)
+
+
+def _wait(done: Callable[[], bool], timeout_s: float, cancelled: Callable[[], bool],
+          what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if cancelled():
+            raise Abandoned(f"gave up waiting for {what}: the persist was abandoned")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; giving up this step")
+        time.sleep(POLL_S)
