@@ -79,6 +79,13 @@ class CheckpointResult:
     k_snapshot_chosen: dict[str, Any] | None = None
     """Set when `k_snapshot="auto"` chose K_snapshot before this checkpoint: the choice
     and what it was measured from (window_s, plan_s, copy_Bps)."""
+    replica_bytes: int | None = None
+    """Bytes this rank sent to its peer node's memory (two-level across nodes; None:
+    no replica)."""
+    replica_s: float | None = None
+    """Time this rank's replication round took, on the snapshot thread."""
+    replica_error: str | None = None
+    """Why this rank's replica, or the one it keeps for its peer, is not complete."""
 
     @property
     def ok(self) -> bool:
@@ -110,7 +117,10 @@ class CheckpointResult:
                 "mode": self.mode, "k": self.k, "experts_saved": self.n_experts_saved,
                 "snapshot_s": self.snapshot_s, "persist_s": self.persist_s,
                 "k_snapshot": self.k_snapshot, "persist_skipped": self.persist_skipped,
-                "error": self.error}
+                "error": self.error,
+                **({"replica_bytes": self.replica_bytes, "replica_s": self.replica_s,
+                    "replica_error": self.replica_error}
+                   if self.replica_bytes is not None or self.replica_error else {})}
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,9 @@ class RecoveryReport:
     extra: dict[str, Any]
     """The loop state passed to `maybe_save(extra_state=...)` at that step."""
     source: str
-    """Where the state came from: "storage", "memory", or "mixed" (some ranks each)."""
+    """Where the state came from: "storage", "memory" (every rank its own node's
+    memory), "peer" (no rank needed storage, some used another node's memory), or
+    "mixed" (some ranks from storage, some from memory)."""
     recovery_s: float
     lost_tokens: int | None
     """Expert token assignments whose updates this recovery lost (0 when every expert
@@ -135,6 +147,9 @@ class RecoveryReport:
     k_before: int
     skipped: list[str] = field(default_factory=list)
     """Newer steps found corrupt and skipped, with the reason."""
+    sources: dict[str, list[int]] = field(default_factory=dict)
+    """Two-level: the ranks that restored from each source ("memory", "peer",
+    "storage"); empty for the other engines (every rank: `source`)."""
 
 
 def checked_save(step: object, extra_state: object) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`moc.TwoLevelCheckpointer`: PEC + sharding + a snapshot in memory + a background persist.
+"""`moc.TwoLevelCheckpointer`: PEC + sharding + a snapshot in memory + a background persist,
+on one node or many, with peer replicas in another node's memory.
 
     ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1),
                                     interval=10, keep_last=3)
@@ -27,10 +28,18 @@ The snapshot is complete (every expert: K_snapshot = N) unless asked otherwise
 process crash exact: no tokens are lost. Only what reaches storage is partial
 (K_persist), which bounds what a node loss costs.
 
+Across nodes (`twolevel.nodes`): each node has its own shared memory and its own persist
+process, run by its leader (local rank 0); every node writes its ranks' files and node
+0's process commits the manifest once every node's part is on storage
+(`twolevel.commit`). After each snapshot, every rank also sends it (all experts, or
+K_replica per layer) to the memory of the node `replica_jump` nodes on
+(`twolevel.replica`), on the snapshot thread, over its own gloo group: losing a node
+then loses nothing.
+
 Recovery (`twolevel.memory_restore`): the ranks agree on the newest step every rank can
-restore, each from its node's memory when its snapshot there is complete and its
-checksums hold, from storage otherwise ("memory", "mixed"); with no such step, from
-storage alone ("storage").
+restore, each from its own node's memory when its snapshot there is complete and its
+checksums hold, else from a copy in another node's memory (its peer replica), else from
+storage ("memory", "peer", "mixed"); with no such step, from storage alone ("storage").
 
 When a new checkpoint comes while the previous persist is still running, `persist_policy`
 decides: "skip" (the default) takes the snapshot but does not persist it, and the skip
@@ -46,11 +55,14 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from moc.checkpoint.api import (
@@ -70,12 +82,18 @@ from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.steps import complete_steps
-from moc.checkpoint.twolevel.memory_restore import restore_from_memory
+from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node, restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
 from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
-from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot
+from moc.checkpoint.twolevel.replica import (
+    ReplicaReport,
+    ReplicaStore,
+    exchange_replicas,
+    replica_keys,
+)
+from moc.checkpoint.twolevel.sizing import choose_k, parse_k_replica, parse_k_snapshot
 from moc.checkpoint.twolevel.slots import (
     SnapshotStore,
     claim_job,
@@ -100,24 +118,39 @@ class _InFlight:
     snapshot_s: float | None = None
     outcome: PlanOutcome | None = None
     done: Done | None = None
+    replica: Future | None = None
+    """This rank's replication round (across nodes), on the snapshot thread."""
 
     def final(self, rank: int) -> bool:
-        """Its snapshot is taken, and (rank 0, which hears of persists) its persist has
-        finished or was skipped."""
+        """Its snapshot is taken, its replica round (if any) is over, and (rank 0, which
+        hears of persists) its persist has finished or was skipped."""
         if self.snapshot_s is None or self.outcome is None:
+            return False
+        if self.replica is not None and not self.replica.done():
             return False
         return rank != 0 or self.outcome.persist_skipped or self.done is not None
 
     def result(self, mode: str) -> CheckpointResult:
         o, d = self.outcome, self.done
         assert o is not None
+        replica = None
+        if self.replica is not None:
+            try:
+                replica = self.replica.result()
+            except Exception as e:  # a peer lost mid-transfer: reported, never fatal
+                replica = ReplicaReport(None, 0, None, 0, 0.0, f"{type(e).__name__}: {e}")
+            if replica is not None and replica.error:
+                log.warning("replica of step %d: %s", self.step, replica.error)
         return CheckpointResult(
             self.step, mode, o.k, o.experts_saved, self.save_s, self.wait_s,
             bytes_per_rank=list(d.bytes_per_rank or []) if d is not None else [],
             error=(d.error if d is not None and not d.ok else None) or o.error,
             snapshot_s=self.snapshot_s, persist_s=d.seconds if d is not None else None,
             persist_skipped=o.persist_skipped, k_snapshot=o.k_snapshot,
-            k_snapshot_chosen=o.k_snapshot_chosen)
+            k_snapshot_chosen=o.k_snapshot_chosen,
+            replica_bytes=replica.bytes_sent if replica is not None else None,
+            replica_s=replica.seconds if replica is not None else None,
+            replica_error=replica.error if replica is not None else None)
 
 
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
@@ -128,9 +161,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
 
     Choose it when checkpoint stalls matter: training waits only in
     `wait_for_snapshot()`, and a process crash recovers from memory, exactly (the
-    snapshot holds every expert by default); a lost node recovers from storage, losing
-    the tokens PLT reports. One node in this release (`moc.Checkpointer` across nodes).
-    The loop:
+    snapshot holds every expert by default). Across nodes a lost node recovers from the
+    replica its peer node keeps, exactly too; only when a node and its peer are both
+    lost does it fall back to storage, losing the tokens PLT reports. The loop:
 
         ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
         report = ckpt.restore(); start = report.step if report else 0
@@ -141,7 +174,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
 
     Takes `moc.Checkpointer`'s arguments, plus `job` (the shared-memory job id; default:
     derived from the directory, so torchrun restarts of a run find its snapshots),
-    `persist_policy` ("skip" or "wait") and `k_snapshot` (int, "all" or "auto").
+    `persist_policy` ("skip" or "wait") and `k_snapshot` (int, "all" or "auto"); across
+    nodes also `k_replica` ("all", an int K, or 0 for no replicas), `replica_jump`
+    (node i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a
+    rank may send, None: unlimited). The checkpoint directory must then be storage
+    every node sees (a shared file system or an object store).
     """
 
     def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
@@ -150,7 +187,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                  keep_last: int | None = None, model_meta: dict[str, Any] | None = None,
                  mode: str = "moc", job: str | None = None, persist_policy: str = "skip",
                  k_snapshot: int | str | None = None,
-                 max_failures: int | None = DEFAULT_MAX_FAILURES) -> None:
+                 max_failures: int | None = DEFAULT_MAX_FAILURES,
+                 k_replica: int | str | None = "all", replica_jump: int = 1,
+                 replica_rate: float | None = None) -> None:
         if persist_policy not in PERSIST_POLICIES:
             raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                              f"got {persist_policy!r}")
@@ -167,6 +206,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                              "directory, or the synchronous engine (--ckpt-mode pec)")
         try:
             self.nodes = NodeLayout.from_env(p.groups.world_size)
+            self.nodes.check_jump(replica_jump)
+            self.k_replica = parse_k_replica(k_replica, p.spec.n_experts)
         except ValueError:
             p.release()
             raise
@@ -175,6 +216,20 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.store = SnapshotStore(self.job, p.groups.rank)
         self.worker = SnapshotWorker()
         self.persist, nonce = self._start_persist()
+        self.peers: Peers | None = None
+        """Across nodes: the replica group, for replication and for restores that reach
+        another node's memory."""
+        self.replicas: ReplicaStore | None = None
+        """The replicas this rank keeps for its peer (None: none are sent)."""
+        if self.nodes.n_nodes > 1:
+            self.peers = Peers(self.nodes, tdist.new_group(backend="gloo"), self.job)
+            if self.k_replica != 0:
+                self.replicas = ReplicaStore(
+                    self.job, self.nodes.replica_src(p.groups.rank, replica_jump))
+        self.replica_jump = replica_jump
+        self.replica_dst = self.nodes.replica_dst(p.groups.rank, replica_jump)
+        self.replica_rate = replica_rate
+        self._replica_index = 0  # replicas sent: the K_replica rotation's c
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
@@ -259,8 +314,35 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self._handle = SnapshotHandle(self.worker, self.store, step,
                                       lambda: planner.plan(step, counts, rng, extra, final,
                                                            rejected), ready)
-        self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
+        record = self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
+        if self.replicas is not None:
+            handle = self._handle
+            record.replica = self.worker.submit(lambda: self._replicate(handle))
         self._saved_at = time.perf_counter()
+
+    def _replicate(self, handle: SnapshotHandle) -> ReplicaReport | None:
+        """On the snapshot thread, right after `handle`'s copy: send this rank's snapshot
+        to its peer node's memory and receive the one it keeps for its own source rank
+        (every rank at the same step: a plan is collective). None when the plan failed
+        (on every rank: there is nothing to send, and no one sends). Blocks only this
+        thread; the next snapshot's plan waits for it, so a slow replica delays the next
+        checkpoint, never a training step."""
+        if handle.job is None:
+            return None
+        outgoing = None
+        if handle.header is not None and handle.slot is not None:
+            header = handle.header
+            p = self.parts
+            keys = replica_keys(header, p.chain.stems, self.spec.n_experts,
+                                self.spec.n_moe_layers, p.groups.layout.ep,
+                                None if self.k_replica == "all" else self.k_replica,
+                                self._replica_index)
+            outgoing = (header, self.store.read(handle.slot, header, verify=False), keys)
+        self._replica_index += 1
+        assert self.peers is not None and self.replicas is not None
+        src = self.nodes.replica_src(self.parts.groups.rank, self.replica_jump)
+        return exchange_replicas(self.peers.group, self.replica_dst, src, outgoing,
+                                 self.replicas, rate_Bps=self.replica_rate)
 
     def wait_for_snapshot(self) -> None:
         """Blocks until the snapshot being taken is complete: the only place training
@@ -328,11 +410,21 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Wait for the snapshot and the persist in flight (collective); their results
         are then in `drain_completed()`."""
         self.wait_for_snapshot()
+        # The replica rounds too: a restore's transfers use the same process group.
+        wait_all([r.replica for r in self._in_flight.values() if r.replica is not None])
         self.planner.share(block=True)
         self._raise_shared_error()
 
     def host_memory(self) -> dict[str, int]:
-        return self.store.sizes()
+        """Host memory this rank holds for checkpoints: its own snapshot slots and the
+        peer replicas it keeps (`ckpt_host_bytes`, their sum), one snapshot's size, and
+        the replicas' share (`replica_bytes`)."""
+        sizes = self.store.sizes()
+        if self.replicas is not None:
+            replica = self.replicas.sizes()["ckpt_host_bytes"]
+            sizes["replica_bytes"] = replica
+            sizes["ckpt_host_bytes"] += replica
+        return sizes
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -352,16 +444,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if not p.root.exists():
             # The checkpoint directory is gone (a fresh start was asked for): snapshots
             # left in memory by an earlier run of it must not be resumed.
-            self.store.invalidate_newer_than(-1)
+            self._invalidate_newer_than(-1)
         mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
-                                  p.model_meta, p.chain.tracked_kind, p.run_id)
+                                  p.model_meta, p.chain.tracked_kind, p.run_id, self.peers)
         if mem is None:
             planner.newest_slot = planner.persist_slot = None
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
                                          p.ledger, p.tidy, commits_checked=True)
-            self.store.invalidate_newer_than(report.step if report is not None else -1)
+            self._invalidate_newer_than(report.step if report is not None else -1)
             return report
-        self.store.invalidate_newer_than(mem.step)
+        self._invalidate_newer_than(mem.step)
         planner.newest_slot, planner.persist_slot = mem.slot, None
         planner.snap_index = int(mem.meta.get("snap_index", -1)) + 1
         p.ledger.load_json(mem.meta["ledger"])
@@ -370,9 +462,19 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         else:
             p.chain.reset()
         plt = p.ledger.recover(mem.at_copy, mem.meta, mem.stale)
+        sources: dict[str, list[int]] = {}
+        for rank, source in enumerate(mem.sources):
+            sources.setdefault(source, []).append(rank)
         return RecoveryReport(mem.step, mem.meta["extra"], mem.source, mem.recovery_s,
                               plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
-                              plt.k_before)
+                              plt.k_before, sources=sources)
+
+    def _invalidate_newer_than(self, step: int) -> None:
+        """After restoring `step`: forget newer snapshots (this rank's) and, on a node's
+        leader, every newer snapshot and replica its node holds."""
+        self.store.invalidate_newer_than(step)
+        if self.peers is not None and self.nodes.is_leader(self.parts.groups.rank):
+            invalidate_node(self.job, step)
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -402,6 +504,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             finally:
                 self.worker.stop()
                 self.store.release()
+                if self.replicas is not None:
+                    self.replicas.release()
                 if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
                     self._remove_snapshots()
                 if p.retention is not None:

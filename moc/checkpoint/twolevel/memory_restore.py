@@ -1,11 +1,21 @@
-"""Recovery from the snapshots in node-local memory, each rank from its own when it can.
+"""Recovery from the snapshots in host memory, each rank from the nearest copy it has.
 
     restored = restore_from_memory(store, root, state, dist, ...)   # None: use storage
 
-The ranks agree on the newest step every rank can restore: from its own snapshot of it
-when that is complete and its checksums hold, or from storage when the step is persisted
-there. If every rank restored from memory the source is "memory", if some did "mixed";
-when no step qualifies the caller restores from storage alone.
+The ranks agree on the newest step every rank can restore, each from (in this order)
+its own snapshot of it in its node's memory ("memory"), a copy of it in another node's
+memory ("peer": the peer replica that node keeps, or the rank's own snapshot left on a
+node it no longer runs on), or storage when the step is persisted there ("storage").
+Copies are complete only when their checksums hold. The report's source is "memory"
+when every rank used its own memory, "peer" when none needed storage and some used a
+peer, "mixed" when some but not all used storage; when no step qualifies the caller
+restores from storage alone ("storage").
+
+A peer copy travels over the replica process group: the leader of the node holding it
+reads it (checking its CRCs) and sends it to the rank that needs it (`twolevel.replica`),
+pair by pair in one global order, so the transfers cannot deadlock. Every transfer
+happens before any rank loads, so an error in one rank's load never leaves a partner
+waiting in a send.
 
 A partial snapshot (K_snapshot < N) holds some experts only; each of the others comes
 from its newest copy in an older snapshot slot or in storage, and the tokens routed to it
@@ -17,6 +27,7 @@ the weights of one restored from memory, so replicas never diverge.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +40,61 @@ from moc.checkpoint.recovery import CheckpointReader, DictReader, LazyKey, resto
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.nodes import NodeLayout
+from moc.checkpoint.twolevel.replica import ReplicaStore, receive_replica, send_replica
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore, job_dir
 
 Copies = dict[str, tuple[int, str]]
-"""Per key: the step of the copy restored and where it came from ("slot-<i>", "storage")."""
+"""Per key: the step of the copy restored and where it came from ("slot-<i>", "peer",
+"storage")."""
+Holdings = dict[int, dict[int, tuple[str, int]]]
+"""What one node's memory holds: source rank -> step -> (kind: "rank" for the rank's own
+snapshot directory, "replica" for a peer replica of it; slot)."""
+
+
+@dataclass(frozen=True)
+class Peers:
+    """What a restore needs to reach the memory of other nodes."""
+
+    nodes: NodeLayout
+    group: Any
+    """The replica process group (gloo, every rank)."""
+    job: str
+
+
+def _stores(job: str, kind: str, src: int) -> SnapshotStore:
+    return SnapshotStore(job, src) if kind == "rank" else ReplicaStore(job, src)
+
+
+def node_holdings(job: str, accept: Callable[[SnapshotHeader], bool]) -> Holdings:
+    """Every snapshot and replica in this node's memory that `accept`s (this run's, same
+    model and layout). A node leader's view, for the other ranks' recovery."""
+    out: Holdings = {}
+    jdir = job_dir(job)
+    for kind, prefix in (("rank", "rank-"), ("replica", "replica-")):
+        for d in sorted(jdir.glob(f"{prefix}*")) if jdir.is_dir() else []:
+            try:
+                src = int(d.name[len(prefix):])
+            except ValueError:
+                continue
+            store = _stores(job, kind, src)
+            try:
+                headers = store.headers()
+            except CheckpointError:
+                continue  # not a directory this user trusts: never a source
+            for slot, header in headers.items():
+                if accept(header):
+                    out.setdefault(src, {}).setdefault(header.step, (kind, slot))
+            store.release()
+    return out
+
+
+def invalidate_node(job: str, step: int) -> None:
+    """Forget every snapshot and replica on this node newer than `step` (a leader, after
+    the job restored `step`): they belong to a run that will not continue."""
+    for src, steps in node_holdings(job, lambda h: h.step > step).items():
+        for kind in {kind for kind, _ in steps.values()}:
+            _stores(job, kind, src).invalidate_newer_than(step)
 
 
 @dataclass(frozen=True)
@@ -49,59 +111,108 @@ class MemoryRestore:
     """(layers x experts) cumulative token count at the copy of each expert restored."""
     stale: bool
     """Whether some rank restored an expert from a copy older than `step`."""
+    sources: list[str]
+    """Per rank: "memory", "peer" or "storage"."""
+
+
+def overall_source(sources: list[str]) -> str:
+    """The report's source for the ranks' sources (see the module docstring)."""
+    if all(s == "memory" for s in sources):
+        return "memory"
+    if "storage" not in sources:
+        return "peer"
+    return "storage" if all(s == "storage" for s in sources) else "mixed"
 
 
 def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist: Dist,
                         storage: list[int], layout: dict[str, int],
                         model_meta: dict[str, Any], tracked_kind: str,
-                        run_id: str | None) -> MemoryRestore | None:
-    """Restore the newest step every rank can restore with some rank's memory; None when
-    there is none (or every such step failed on some rank). Collective.
+                        run_id: str | None, peers: Peers | None = None
+                        ) -> MemoryRestore | None:
+    """Restore the newest step every rank can restore with some rank's memory (its own,
+    or a peer's); None when there is none (or every such step failed on some rank).
+    Collective.
 
     `storage`: the complete steps on storage (the same list on every rank). A snapshot
     older than the newest persisted step is never used: storage is newer. Only
     snapshots of this run (`run_id`, the checkpoint directory's), of the same model and
-    layout, are candidates: memory left by another run is never restored.
+    layout, are candidates: memory left by another run is never restored. `peers`
+    (across nodes): reach the copies other nodes hold.
     """
     newest_storage = storage[-1] if storage else None
-    headers = {slot: h for slot, h in store.headers().items()
-               if run_id is not None and h.meta.get("run_id") == run_id
-               and h.meta.get("layout") == layout and h.meta.get("model") == model_meta}
+
+    def ours(h: SnapshotHeader) -> bool:
+        return (run_id is not None and h.meta.get("run_id") == run_id
+                and h.meta.get("layout") == layout and h.meta.get("model") == model_meta)
+
+    headers = {slot: h for slot, h in store.headers().items() if ours(h)}
     mine = {h.step: slot for slot, h in headers.items()}
     everyone = [set(m) for m in dist.all_gather(sorted(mine))]
-    candidates = [step for step in sorted(set().union(*everyone), reverse=True)
+    held: Holdings = {}
+    if peers is not None and peers.nodes.is_leader(dist.rank):
+        held = node_holdings(peers.job, ours)
+    holdings: list[Holdings] = dist.all_gather(held) if peers is not None else []
+
+    def remote(rank: int, step: int) -> tuple[int, str, int] | None:
+        """(holder's leader, kind, slot) of a copy of `rank`'s `step` in another node."""
+        for holder, held in enumerate(holdings):
+            found = held.get(rank, {}).get(step)
+            if found is not None and holder != rank:
+                return (holder, *found)
+        return None
+
+    def source(rank: int, step: int) -> str | None:
+        if step in everyone[rank]:
+            return "memory"
+        if remote(rank, step) is not None:
+            return "peer"
+        return "storage" if step in storage else None
+
+    in_memory = set().union(*everyone, *(s for h in holdings for c in h.values() for s in c))
+    candidates = [step for step in sorted(in_memory, reverse=True)
                   if (newest_storage is None or step >= newest_storage)
-                  # a rank without this snapshot must have it on storage
-                  and all(step in m or step in storage for m in everyone)]
+                  and all(source(r, step) is not None for r in range(dist.world_size))]
     t0 = time.perf_counter()
     copies: Copies = {}
+    metas: dict[str, dict[str, Any]] = {f"slot-{slot}": h.meta for slot, h in headers.items()}
 
-    def attempt(step: int) -> tuple[int, str]:
+    def attempt(step: int) -> tuple[int, str, dict[str, Any] | None]:
         nonlocal t0, copies
         t0 = time.perf_counter()
-        if step in mine:
+        plan = [source(r, step) for r in range(dist.world_size)]
+        fetched = _transfer(peers, dist.rank, plan, step, remote) if "peer" in plan else None
+        if plan[dist.rank] == "memory":
             reader, copies = _memory_reader(store, root, step, headers, newest_storage)
             state.load(reader)
-            return step, "memory"
+            return step, "memory", headers[mine[step]].meta
+        if plan[dist.rank] == "peer":
+            if fetched is None:
+                raise CheckpointError(f"the peer copy of step {step} of rank {dist.rank} did "
+                                      "not verify")
+            header, tensors = fetched
+            metas["peer"] = header.meta
+            reader, copies = _peer_reader(tensors, root, step, newest_storage)
+            state.load(reader)
+            return step, "peer", header.meta
         reader = CheckpointReader(root, Manifest.load(root, step))
         copies = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
         state.load(reader)
-        return step, "storage"
+        return step, "storage", None
 
     # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
     restored, _ = restore_loop(candidates, attempt, dist, skip=(Exception,),
                                label=lambda step: f"the snapshot of step {step}")
     if restored is None:
         return None
-    step, source = restored
-    sources = dist.all_gather(source)
+    step, source_here, meta_here = restored
+    sources = dist.all_gather(source_here)
     if "storage" in sources:
         align_expert_replicas(state, dist, sources)
-    meta = dist.broadcast(headers[mine[step]].meta if step in mine else None,
-                          src=sources.index("memory"))
+    meta = dist.broadcast(meta_here, src=next(r for r, s in enumerate(sources)
+                                              if s != "storage"))
     manifest = Manifest.load(root, newest_storage) if newest_storage is not None else None
-    held = set(state.flatten())
-    at_copy = _at_copy(copies, headers, manifest, held, tracked_kind,
+    held_keys = set(state.flatten())
+    at_copy = _at_copy(copies, metas, manifest, held_keys, tracked_kind,
                        state.spec.stems(), meta)
     # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
     at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
@@ -109,11 +220,52 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
     cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
     at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
     older = any(copy_step < step for key, (copy_step, _) in copies.items()
-                if key in held and (parsed := parse_expert_key(key)) is not None
+                if key in held_keys and (parsed := parse_expert_key(key)) is not None
                 and parsed[0] == tracked_kind)
-    return MemoryRestore(step, mine.get(step), meta,
-                         "memory" if "storage" not in sources else "mixed",
-                         time.perf_counter() - t0, at_copy, any(dist.all_gather(older)))
+    return MemoryRestore(step, mine.get(step) if source_here == "memory" else None, meta,
+                         overall_source(sources), time.perf_counter() - t0, at_copy,
+                         any(dist.all_gather(older)), sources)
+
+
+def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
+              remote: Callable[[int, int], tuple[int, str, int] | None]
+              ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
+    """Every peer copy of `step` the plan needs, pair by pair in rank order: a holder
+    sends, the rank that needs it receives (verified; None when it did not verify).
+    This rank's copy, if it needed one."""
+    assert peers is not None
+    fetched = None
+    for rank, src in enumerate(plan):
+        if src != "peer":
+            continue
+        found = remote(rank, step)
+        assert found is not None
+        holder, kind, slot = found
+        if me == holder:
+            store = _stores(peers.job, kind, rank)
+            header = store.headers().get(slot)
+            send_replica(peers.group, rank, store, slot,
+                         header if header is not None and header.step == step else None)
+            store.release()
+        elif me == rank:
+            fetched = receive_replica(peers.group, holder)
+    return fetched
+
+
+def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
+                 newest_storage: int | None) -> tuple[DictReader, Copies]:
+    """A peer copy of `step`, and for the keys it does not carry (a partial replica)
+    the newest persisted manifest."""
+    out: dict[str, Any] = {}
+    copies: Copies = {}
+    if newest_storage is not None:
+        reader = CheckpointReader(root, Manifest.load(root, newest_storage))
+        for key, entry in reader.manifest.entries.items():
+            out[key] = LazyKey(reader, key)
+            copies[key] = (entry.step, "storage")
+    for key, t in tensors.items():
+        out[key], copies[key] = t, (step, "peer")
+    return DictReader(out), copies
 
 
 def _memory_reader(store: SnapshotStore, root: Path, step: int,
@@ -143,7 +295,7 @@ def _memory_reader(store: SnapshotStore, root: Path, step: int,
     return DictReader(tensors), copies
 
 
-def _at_copy(copies: Copies, headers: dict[int, SnapshotHeader], manifest: Manifest | None,
+def _at_copy(copies: Copies, metas: dict[str, dict[str, Any]], manifest: Manifest | None,
              held: set[str], kind: str, stems: dict[str, int], meta: dict[str, Any]
              ) -> torch.Tensor:
     """Per (layer, expert) held here: the cumulative token count at the copy restored
@@ -160,8 +312,7 @@ def _at_copy(copies: Copies, headers: dict[int, SnapshotHeader], manifest: Manif
         if origin == "storage":
             value = int(manifest.tokens["at_save"][m][e]) if manifest is not None else 0
         else:
-            slot_meta = headers[int(origin.split("-")[1])].meta
-            value = int(slot_meta["ledger"]["cumulative"][m][e])
+            value = int(metas[origin]["ledger"]["cumulative"][m][e])
         at_copy[m, e] = value if at_copy[m, e] < 0 else min(int(at_copy[m, e]), value)
     return at_copy
 
@@ -169,12 +320,12 @@ def _at_copy(copies: Copies, headers: dict[int, SnapshotHeader], manifest: Manif
 @torch.no_grad()
 def align_expert_replicas(state: RankState, dist: Dist, sources: list[str]) -> None:
     """Within each EDP group, replicas restored from storage take the expert weights of
-    the first replica restored from memory (collective over the EDP group)."""
+    the first replica restored from memory or a peer (collective over the EDP group)."""
     layout = dist.groups.layout
     if not dist.enabled or layout.edp == 1:
         return
     members = layout.edp_groups()[layout.ep_rank(dist.rank)]
-    from_memory = [r for r in members if sources[r] == "memory"]
+    from_memory = [r for r in members if sources[r] != "storage"]
     if not from_memory or len(from_memory) == len(members):
         return
     experts = state.spec.by_name()

@@ -27,6 +27,20 @@ def parse_k_snapshot(k_snapshot: int | str | None, n_experts: int) -> tuple[int,
                      f"got {k_snapshot!r}")
 
 
+def parse_k_replica(k_replica: int | str | None, n_experts: int) -> int | str:
+    """Experts per MoE layer a peer replica carries: "all" (the default, also for None or
+    any K >= N), an integer K >= 1 (PEC-style, rotating, plus all non-expert state), or
+    0 / "none": no replicas."""
+    if k_replica in (None, "all"):
+        return "all"
+    if k_replica in (0, "none"):
+        return 0
+    if isinstance(k_replica, int) and not isinstance(k_replica, bool) and k_replica >= 1:
+        return "all" if k_replica >= n_experts else k_replica
+    raise ValueError(f"k_replica must be 'all', an integer >= 1, or 0 / 'none' for no "
+                     f"replicas, got {k_replica!r}")
+
+
 def snapshot_experts(n_experts: int, n_moe_layers: int, k_snapshot: int, index: int, ep: int,
                      persisted: list[list[int]] | None, first: bool) -> list[set[int]]:
     """Experts per layer in a snapshot: K_snapshot of them in sequential rotation
