@@ -430,8 +430,8 @@ def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
     received is then left without a header, and the group must not be used again.
     `rate_Bps`: an average rate this rank's sends stay under (sleeping between chunks).
     """
-    me = _check_peers(dst, src)
     _check_chunk(chunk_bytes, rate_Bps)
+    me = _check_peers(dst, src)
     t0 = time.perf_counter()
     errors = []
     if outgoing is None:
@@ -483,8 +483,8 @@ def send_replica(group: dist.ProcessGroup, dst: int, store: ReplicaStore, slot: 
     node was lost), after checking every CRC32 of it; a copy that fails them is not
     sent: a marker goes instead (`receive_replica` returns None) and `error` says why.
     Blocks until sent."""
-    me = _check_peers(dst, None)
     _check_chunk(chunk_bytes, rate_Bps)
+    me = _check_peers(dst, None)
     t0 = time.perf_counter()
     error = None
     try:

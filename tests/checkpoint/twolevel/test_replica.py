@@ -127,6 +127,13 @@ def test_replica_store_has_two_slots_under_its_source_and_keeps_the_snapshot_rul
         SnapshotStore(JOB, 0, n_slots=0)
 
 
+def test_bad_transfer_settings_are_refused_before_any_traffic():
+    for kwargs, msg in (({"chunk_bytes": 0}, "chunk_bytes must be an integer >= 1"),
+                        ({"rate_Bps": 0}, "rate_Bps must be > 0")):
+        with pytest.raises(ValueError, match=msg):
+            exchange_replicas(None, 1, 1, None, ReplicaStore(JOB, 1), **kwargs)
+
+
 def test_a_replica_directory_planted_as_a_symbolic_link_is_refused(tmp_path):
     store = ReplicaStore(JOB, 1)
     store.dir.parent.mkdir(parents=True, mode=0o700)
@@ -166,9 +173,17 @@ def _ring_rank(rank: int, world: int, base: str, steps: list[int], chunk: int) -
                                          _outgoing(own, i % 3, header), replicas,
                                          chunk_bytes=chunk))
         sizes.append(replicas.sizes())
-    return {"reports": reports, "held": _held(replicas), "sizes": sizes,
-            "files": sorted(p.name for p in replicas.dir.iterdir()),
-            "meta": {h.step: h.meta for h in replicas.headers().values()}}
+    out = {"reports": reports, "held": _held(replicas), "sizes": sizes,
+           "files": sorted(p.name for p in replicas.dir.iterdir()),
+           "meta": {h.step: h.meta for h in replicas.headers().values()}}
+    # ranks are global ranks, whatever the group: ranks 2 and 3 are 0 and 1 of this one
+    pair = dist.new_group([2, 3], backend="gloo")
+    if rank in (2, 3):
+        peer = 5 - rank
+        header = own.write(0, 99, _state(rank, 99), {})
+        out["pair"] = exchange_replicas(pair, peer, peer, _outgoing(own, 0, header),
+                                        ReplicaStore(JOB, peer), chunk_bytes=chunk)
+    return out
 
 
 @pytest.mark.integration
@@ -193,6 +208,8 @@ def test_a_ring_of_four_replicates_every_snapshot_byte_for_byte_within_two_slots
         assert res["files"] == ["slot-0.bin", "slot-0.json", "slot-1.bin", "slot-1.json"]
         for s in res["sizes"]:
             assert 0 < s["replica_host_bytes"] <= REPLICA_SLOTS * s["replica_bytes"]
+        if rank in (2, 3):
+            assert res["pair"].step_received == 99 and res["pair"].error is None
 
 
 def _pair_rank(rank: int, world: int, base: str, k: int | None) -> dict:
@@ -201,6 +218,8 @@ def _pair_rank(rank: int, world: int, base: str, k: int | None) -> dict:
     own, header = _snapshot(rank, 10)
     keys = replica_keys(header, {STEM: 0}, N_EXPERTS, 1, 1, k, rank)
     replicas = ReplicaStore(JOB, 1 - rank)
+    with pytest.raises(ValueError, match="must be another rank"):  # its own node
+        exchange_replicas(group, rank, 1 - rank, None, replicas)
     report = exchange_replicas(group, 1 - rank, 1 - rank, _outgoing(own, 0, header, keys),
                                replicas, chunk_bytes=64)
     return {"report": report, "keys": keys, "held": _held(replicas),
