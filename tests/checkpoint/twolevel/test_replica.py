@@ -21,6 +21,8 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel.replica import (
     REPLICA_SLOTS,
     ReplicaStore,
+    _Incoming,
+    _Outgoing,
     exchange_replicas,
     receive_replica,
     replica_keys,
@@ -157,6 +159,44 @@ def test_the_slot_being_received_is_never_the_newest_complete_replica():
     assert [h.step for h in store.headers().values()] == [30]
     slot, _ = store._begin(8)
     assert store.headers() and store.newest()[1].step == 30 and slot != store.newest()[0]
+
+
+# -- the wire, without processes ---------------------------------------------------------------
+
+def _wire(chunk: int) -> tuple[_Outgoing, SnapshotHeader, dict[str, torch.Tensor]]:
+    store, header = _snapshot(0, 10)
+    return _Outgoing.of(0, *_outgoing(store, 0, header), chunk), header, _state(0, 10)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1 << 20])
+def test_the_stream_is_the_compact_layout_whatever_the_chunk(chunk):
+    out, header, state = _wire(chunk)
+    stream = torch.cat([out.chunk_tensor(i).clone() for i in range(out.n_chunks())])
+    incoming = _Incoming.parse(0, out.prefix, out.frame)
+    assert incoming.problem is None and incoming.size == stream.numel() == out.size
+    assert incoming.mismatch(stream) is None
+    got = incoming.header()
+    for key, t in state.items():
+        e = got.entries[key]
+        raw = stream[e.offset:e.offset + t.numel() * t.element_size()]
+        assert torch.equal(raw.view(t.dtype).view(t.shape), t), key
+        assert e.crc32 == header.entries[key].crc32  # the snapshot's own checksums
+
+
+def test_a_damaged_or_misdirected_frame_is_refused_and_its_bytes_announced():
+    out, _, _ = _wire(64)
+    frame = out.frame.clone()
+    frame[10] ^= 1
+    damaged = _Incoming.parse(0, out.prefix, frame)
+    assert "CRC32 does not match" in damaged.problem and damaged.size == out.size
+    assert "comes from rank 0" in _Incoming.parse(1, out.prefix, out.frame).problem
+    short = out.prefix.clone()
+    short[4] -= 8
+    assert "the prefix announces" in _Incoming.parse(0, short, out.frame).problem
+    marker = _Outgoing.marker(3, "no snapshot", 64)
+    got = _Incoming.parse(3, marker.prefix, marker.frame)
+    assert got.step is None and got.problem is None and got.reason == "no snapshot"
+    assert got.size == 0
 
 
 # -- real transfers ---------------------------------------------------------------------------
