@@ -165,10 +165,19 @@ class SnapshotStore:
     """The slots of one rank; written by that rank, read by its persist process and by
     the rank after a restart."""
 
-    def __init__(self, job: str, rank: int) -> None:
+    def __init__(self, job: str, rank: int, n_slots: int = N_SLOTS, name: str | None = None
+                 ) -> None:
+        """`n_slots` and `name` (the directory under the job's, default `rank-<r>`) let
+        other holders of snapshots reuse the slot discipline: a peer's replicas
+        (`twolevel.replica.ReplicaStore`)."""
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        if name is not None and (not name or "/" in name or name in (".", "..")):
+            raise ValueError(f"name must be one directory name (no '/'), got {name!r}")
         self.job = job
-        self.dir = job_dir(job) / f"rank-{rank:05d}"
+        self.dir = job_dir(job) / (name if name is not None else f"rank-{rank:05d}")
         self.rank = rank
+        self.n_slots = n_slots
         self._checked = False  # the directories passed `secure_dir` (see `_secure`)
         self._maps: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
@@ -176,8 +185,9 @@ class SnapshotStore:
 
     def sizes(self) -> dict[str, int]:
         """Shared memory held by this rank's slots (`ckpt_host_bytes`) and one snapshot's
-        size (`snapshot_bytes`): the first is bounded by N_SLOTS times the second."""
-        sizes = [p.stat().st_size for p in map(self.bin_path, range(N_SLOTS)) if p.exists()]
+        size (`snapshot_bytes`): the first is bounded by `n_slots` times the second."""
+        sizes = [p.stat().st_size for p in map(self.bin_path, range(self.n_slots))
+                 if p.exists()]
         return {"ckpt_host_bytes": sum(sizes), "snapshot_bytes": max(sizes, default=0)}
 
     def bin_path(self, slot: int) -> Path:
@@ -257,7 +267,7 @@ class SnapshotStore:
         out: dict[int, SnapshotHeader] = {}
         if not self._secure(create=False):
             return out
-        for slot in range(N_SLOTS):
+        for slot in range(self.n_slots):
             try:
                 out[slot] = SnapshotHeader.from_json(self.header_path(slot).read_text())
             except (OSError, ValueError, KeyError, TypeError):
@@ -328,7 +338,7 @@ class SnapshotStore:
         if self._reserved == size:
             return
         headers = self.headers()
-        for slot in range(N_SLOTS):
+        for slot in range(self.n_slots):
             if slot not in headers:
                 self._map(slot, size, allocate=True)
         self._reserved = size

@@ -1,0 +1,528 @@
+"""Peer replicas: a rank's newest snapshot, copied into the host memory of another node.
+
+A snapshot in node-local shared memory survives a crash of the training process but not
+the loss of its node. Each rank therefore sends its newest snapshot (all of it, or only
+K experts per MoE layer plus every non-expert key: `replica_keys`) to rank dst(r) on
+another node and keeps the one it receives from rank src(r), in
+
+    /dev/shm/moc-<job>/replica-<src>/slot-<i>.bin     the replica's bytes, compact
+    /dev/shm/moc-<job>/replica-<src>/slot-<i>.json    its header, once complete and verified
+
+One replication round (`exchange_replicas`), run by every rank of a dedicated gloo group
+for the same step, on the snapshot thread after the copy:
+
+    prefix   int64[6]: magic, version, frame length, frame CRC32, stream bytes, chunk bytes
+    frame    JSON: src, step (null: a marker, no snapshot follows), error, meta, and the
+             entries [key, dtype, shape, crc32] in stream order
+    stream   the entries' bytes, each 8-byte aligned (the receiver's compact slot layout),
+             cut into chunks of `chunk bytes`
+
+The prefix alone says how many bytes follow, so a receiver that cannot use a frame (bad
+JSON, no room in shared memory) still drains the stream and its sender never hangs; a
+rank with no snapshot sends a marker for the same reason. Sends and receives of a step
+are posted before either is waited for, so a ring of ranks (each sending to the next)
+cannot deadlock, and dst == src (a pair) works alike. The stream lands straight in the
+receiving slot's shared-memory mapping; the header is written (atomically) only after
+every entry's CRC32 matched the sender's, so a replica exists exactly when it is
+complete and verified. Of the two slots one always holds the newest complete replica
+and is never written: a transfer cut short (a dead sender, a CRC mismatch, SIGKILL)
+costs the replica being received, never the one before it.
+
+Recovery moves a replica back to the rank that lost its node: `send_replica` (the
+holder verifies its copy first) and `receive_replica` (into ordinary CPU memory), with
+the same framing.
+
+Ranks are global ranks (torch.distributed's `dst=`/`src=`, whatever `group` is).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.store.format import tensor_bytes
+from moc.checkpoint.twolevel.sizing import snapshot_experts
+from moc.checkpoint.twolevel.slots import (
+    _ALIGN,
+    _DTYPE_NAMES,
+    SlotEntry,
+    SnapshotHeader,
+    SnapshotStore,
+    write_private,
+)
+
+REPLICA_SLOTS = 2
+"""One slot being received, one holding the newest complete replica: the fewest that
+never overwrite the only complete copy, and the host memory a replica costs is bounded
+by twice its size (a third slot would buy nothing: replicas are not persisted from)."""
+CHUNK_BYTES = 64 << 20
+"""Bytes per message: large enough that per-message latency is noise, small enough that
+a rate limit is smooth and a sender's staging buffer stays small."""
+_MAGIC = 0x6D6F632D7265706C  # b"moc-repl"
+_VERSION = 1
+_TAG = 14
+_PREFIX = 6
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One rank's side of one replication round (or of `send_replica`)."""
+
+    step_sent: int | None
+    """The step this rank sent; None when it sent a marker (no snapshot)."""
+    bytes_sent: int
+    """Stream bytes sent (the tensors, 8-byte aligned; the frame not counted)."""
+    step_received: int | None
+    """The step now published in the store; None when the source sent a marker, or the
+    replica failed its checks (then `error` says why)."""
+    bytes_received: int
+    seconds: float
+    error: str | None
+    """What went wrong on this rank's side: a snapshot it could not send, a received
+    replica refused (checksum mismatch, bad frame, no room). None when all went well or
+    the source merely had nothing to send."""
+
+
+class ReplicaStore(SnapshotStore):
+    """The replicas this node holds of rank `src`'s snapshots: REPLICA_SLOTS slots under
+    `<job dir>/replica-<src>/`, with the snapshot slots' header format and trust rules
+    (secure directories, 0600 files, no symbolic links followed). Written only by
+    `exchange_replicas`; read by recovery (`headers`, `read`, `send_replica`)."""
+
+    def __init__(self, job: str, src: int) -> None:
+        super().__init__(job, src, n_slots=REPLICA_SLOTS, name=f"replica-{src:05d}")
+        self.src = src
+
+    def sizes(self) -> dict[str, int]:
+        """Host memory held by these replicas (`replica_host_bytes`, at most
+        REPLICA_SLOTS times `replica_bytes`) and the largest replica's size."""
+        own = super().sizes()
+        return {"replica_host_bytes": own["ckpt_host_bytes"],
+                "replica_bytes": own["snapshot_bytes"]}
+
+    def newest(self) -> tuple[int, SnapshotHeader] | None:
+        """(slot, header) of the newest complete replica, or None."""
+        headers = self.headers()
+        if not headers:
+            return None
+        slot = max(headers, key=lambda s: headers[s].step)
+        return slot, headers[slot]
+
+    def _begin(self, size: int) -> tuple[int, torch.Tensor]:
+        """A slot to receive `size` bytes into, and its mapping: never the one holding
+        the newest complete replica; an empty one before an older replica. Its header
+        is removed first: from here on it is incomplete."""
+        headers = self.headers()
+        newest = self.newest()
+        free = [s for s in range(self.n_slots) if newest is None or s != newest[0]]
+        slot = min(free, key=lambda s: (s in headers, headers[s].step if s in headers else 0))
+        self.header_path(slot).unlink(missing_ok=True)
+        return slot, self._map(slot, size, allocate=True)
+
+    def _publish(self, slot: int, header: SnapshotHeader, size: int) -> None:
+        """Write the header (atomically: complete from here on), then reserve the other
+        slot at this size so a node short of memory fails now, not mid-transfer."""
+        write_private(self.header_path(slot), header.to_json())
+        self._reserve_free_slots(size)
+
+
+def replica_keys(header: SnapshotHeader, stems: dict[str, int], n_experts: int,
+                 n_moe_layers: int, ep: int, k: int | None, index: int) -> list[str]:
+    """The keys of `header` a replica carries, in the snapshot's order: every non-expert
+    key, and the expert keys of the experts `snapshot_experts` selects for replica
+    `index` (K per MoE layer in sequential rotation, so successive replicas cover every
+    expert; all of them when `k` is None or >= n_experts). Only keys the snapshot holds:
+    a partial snapshot gives a partial replica.
+
+    `stems`: MoE layer of each expert key stem (the chain's `stems`)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k (experts per layer in a replica) must be an integer >= 1 or "
+                         f"None for all of them, got {k!r}")
+    if k is None or k >= n_experts:
+        return list(header.entries)
+    experts = snapshot_experts(n_experts, n_moe_layers, k, index, ep, None, False)
+    out = []
+    for key in header.entries:
+        parsed = parse_expert_key(key)
+        if parsed is not None:
+            layer = stems.get(parsed[1])
+            if layer is None:
+                raise ValueError(f"expert key {key!r}: its stem {parsed[1]!r} is not among "
+                                 f"the model's expert stems {sorted(stems)}; pass the "
+                                 "stems of the model that wrote the snapshot")
+            if parsed[2] not in experts[layer]:
+                continue
+        out.append(key)
+    return out
+
+
+# -- the wire --------------------------------------------------------------------------------
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=_DTYPE_NAMES[dtype]).element_size()
+
+
+def _compact(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[list[int], int]:
+    """Offsets of `entries` packed in order, each 8-byte aligned, and the total size: the
+    stream's layout and the receiving slot's."""
+    offsets, size = [], 0
+    for _, dtype, shape, _ in entries:
+        offsets.append(size)
+        n = _nbytes(dtype, shape)
+        size += n + (-n % _ALIGN)
+    return offsets, size
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat.contiguous().view(torch.uint8) if flat.numel() else flat.view(torch.uint8)
+
+
+class _Outgoing:
+    """What one rank sends: prefix, frame, and the stream's pieces (each key's bytes at
+    its stream offset). Chunks lying inside one piece are sent from the snapshot slot as
+    they are; the others (small keys, padding) are assembled in one staging buffer."""
+
+    def __init__(self, frame: dict[str, Any], pieces: list[tuple[int, torch.Tensor]],
+                 size: int, chunk: int) -> None:
+        data = json.dumps(frame).encode()
+        self.step: int | None = frame["step"]
+        self.frame = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else (
+            torch.empty(0, dtype=torch.uint8))
+        self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), zlib.crc32(data), size, chunk],
+                                   dtype=torch.int64)
+        self.pieces = pieces
+        self._starts = [off for off, _ in pieces]
+        self.size = size
+        self.chunk = chunk
+        self._staging: torch.Tensor | None = None
+
+    @classmethod
+    def marker(cls, src: int, reason: str | None, chunk: int) -> _Outgoing:
+        return cls({"src": src, "step": None, "error": reason}, [], 0, chunk)
+
+    @classmethod
+    def of(cls, src: int, header: SnapshotHeader, views: dict[str, torch.Tensor],
+           keys: list[str], chunk: int) -> _Outgoing:
+        missing = [k for k in keys if k not in header.entries or k not in views]
+        if missing:
+            raise CheckpointError(f"replica of step {header.step}: keys {missing[:5]} are not "
+                                  "in the snapshot (header and views)")
+        entries = [(k, header.entries[k].dtype, header.entries[k].shape,
+                    header.entries[k].crc32) for k in keys]
+        offsets, size = _compact(entries)
+        pieces = []
+        for (key, dtype, shape, _), off in zip(entries, offsets, strict=True):
+            raw = _flat_bytes(views[key])
+            if raw.numel() != _nbytes(dtype, shape):
+                raise CheckpointError(f"replica of step {header.step}: {key!r} holds "
+                                      f"{raw.numel()} bytes, its header says {dtype} {shape}")
+            if raw.numel():
+                pieces.append((off, raw))
+        frame = {"src": src, "step": header.step, "error": None, "meta": header.meta,
+                 "entries": [[k, d, list(s), c] for k, d, s, c in entries]}
+        return cls(frame, pieces, size, chunk)
+
+    def n_chunks(self) -> int:
+        return -(-self.size // self.chunk)
+
+    def chunk_tensor(self, i: int) -> torch.Tensor:
+        a, b = i * self.chunk, min((i + 1) * self.chunk, self.size)
+        j = max(0, bisect.bisect_right(self._starts, a) - 1)
+        off, raw = self.pieces[j] if self.pieces else (0, torch.empty(0, dtype=torch.uint8))
+        if off <= a and off + raw.numel() >= b:
+            return raw[a - off:b - off]  # no copy
+        if self._staging is None:
+            self._staging = torch.empty(min(self.chunk, self.size), dtype=torch.uint8)
+        out = self._staging[:b - a]
+        out.zero_()  # padding travels as zeros: a replica's bytes do not depend on history
+        for off, raw in self.pieces[j:]:
+            if off >= b:
+                break
+            lo, hi = max(a, off), min(b, off + raw.numel())
+            if lo < hi:
+                out[lo - a:hi - a].copy_(raw[lo - off:hi - off])
+        return out
+
+
+@dataclass
+class _Incoming:
+    """A received prefix and frame, checked. `problem` set: unusable (the stream is
+    drained and dropped); `step` None and no problem: a marker."""
+
+    size: int
+    chunk: int
+    step: int | None = None
+    reason: str | None = None
+    meta: Any = None
+    entries: list[tuple[str, str, tuple[int, ...], int]] | None = None
+    offsets: list[int] | None = None
+    problem: str | None = None
+
+    @classmethod
+    def parse(cls, src: int, prefix: torch.Tensor, frame: torch.Tensor) -> _Incoming:
+        _, _, _, crc, size, chunk = (int(x) for x in prefix)
+        out = cls(size, chunk)
+        data = frame.numpy().tobytes()
+        try:
+            if zlib.crc32(data) != crc:
+                raise ValueError("the frame's CRC32 does not match")
+            d = json.loads(data)
+            if d["src"] != src:
+                raise ValueError(f"it comes from rank {d['src']}")
+            out.reason = d.get("error")
+            if d["step"] is None:
+                if size:
+                    raise ValueError("a marker announces bytes")
+                return out
+            out.step, out.meta = int(d["step"]), d["meta"]
+            entries = []
+            for key, dtype, shape, c in d["entries"]:
+                if not isinstance(key, str) or dtype not in _DTYPE_NAMES or not all(
+                        isinstance(n, int) and n >= 0 for n in shape):
+                    raise ValueError(f"bad entry {key!r}: {dtype} {shape}")
+                entries.append((key, dtype, tuple(shape), int(c)))
+            if len({e[0] for e in entries}) != len(entries):
+                raise ValueError("duplicate keys")
+            out.entries = entries
+            out.offsets, total = _compact(entries)
+            if total != size:
+                raise ValueError(f"its entries hold {total} bytes, the prefix announces {size}")
+        except (ValueError, KeyError, TypeError) as e:
+            out.problem = f"bad replica frame from rank {src}: {e}"
+            out.step = None
+        return out
+
+    def header(self) -> SnapshotHeader:
+        assert self.entries is not None and self.offsets is not None and self.step is not None
+        return SnapshotHeader(self.step, {
+            key: SlotEntry(off, dtype, shape, crc)
+            for (key, dtype, shape, crc), off in zip(self.entries, self.offsets, strict=True)},
+            self.meta)
+
+    def mismatch(self, buf: torch.Tensor) -> str | None:
+        """The first entry whose bytes in `buf` fail their CRC32, or None."""
+        header = self.header()
+        for key, e in header.entries.items():
+            raw = buf[e.offset:e.offset + _nbytes(e.dtype, e.shape)]
+            if zlib.crc32(tensor_bytes(raw)) != e.crc32:
+                return key
+        return None
+
+
+def _post(group: dist.ProcessGroup, dst: int | None, src: int | None, send: torch.Tensor | None,
+          recv: torch.Tensor | None) -> None:
+    """Post a send to `dst` and a receive from `src`, then wait for both (blocks until
+    both are done). Posting both before waiting is what keeps a ring from deadlocking."""
+    works = []
+    if send is not None and send.numel():
+        works.append(dist.isend(send, dst, group=group, tag=_TAG))
+    if recv is not None and recv.numel():
+        works.append(dist.irecv(recv, src, group=group, tag=_TAG))
+    if any(w is None for w in works):
+        raise CheckpointError("replica transfer: this rank is not in the replica group")
+    for w in works:
+        w.wait()
+
+
+def _check_prefix(src: int, prefix: torch.Tensor) -> None:
+    magic, version, length, _, size, chunk = (int(x) for x in prefix)
+    if magic != _MAGIC or version != _VERSION or length < 0 or size < 0 or (
+            size and chunk < 1):
+        raise CheckpointError(
+            f"replica transfer from rank {src}: expected a moc replica prefix (version "
+            f"{_VERSION}), got {prefix.tolist()}; the replica group carries other traffic "
+            "or the peers run different moc versions: give replicas a group of their own")
+
+
+def _transfer(group: dist.ProcessGroup, dst: int | None, src: int | None, out: _Outgoing | None,
+              sink: Any, rate_Bps: float | None) -> tuple[_Incoming | None, int, int]:
+    """Send `out` to `dst` and receive one replica from `src` (either may be None),
+    concurrently. `sink(incoming)` is called once the frame is in and returns
+    (buffer, problem): where the stream goes (None: drain it). Returns the incoming
+    replica, the bytes sent and the bytes received."""
+    prefix = torch.zeros(_PREFIX, dtype=torch.int64) if src is not None else None
+    _post(group, dst, src, out.prefix if out else None, prefix)
+    frame = None
+    if prefix is not None:
+        _check_prefix(src, prefix)
+        frame = torch.empty(int(prefix[2]), dtype=torch.uint8)
+    _post(group, dst, src, out.frame if out else None, frame)
+    incoming, buf = None, None
+    if prefix is not None:
+        assert frame is not None and src is not None
+        incoming = _Incoming.parse(src, prefix, frame)
+        if incoming.problem is None and incoming.step is not None:
+            buf, incoming.problem = sink(incoming)
+    n_send = out.n_chunks() if out else 0
+    n_recv = -(-incoming.size // incoming.chunk) if incoming and incoming.size else 0
+    scratch = None
+    t0, sent = time.monotonic(), 0
+    for i in range(max(n_send, n_recv)):
+        send = out.chunk_tensor(i) if i < n_send else None
+        recv = None
+        if i < n_recv:
+            a, b = i * incoming.chunk, min((i + 1) * incoming.chunk, incoming.size)
+            if buf is not None:
+                recv = buf[a:b]  # straight into the slot's shared memory
+            else:
+                if scratch is None:
+                    scratch = torch.empty(min(incoming.chunk, incoming.size), dtype=torch.uint8)
+                recv = scratch[:b - a]
+        _post(group, dst, src, send, recv)
+        if send is not None:
+            sent += send.numel()
+            if rate_Bps:  # keep the average since the first chunk under the rate
+                delay = t0 + sent / rate_Bps - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+    return incoming, sent, incoming.size if incoming else 0
+
+
+def _check_peers(dst: int | None, src: int | None) -> int:
+    if not dist.is_initialized():
+        raise CheckpointError("replicas need torch.distributed: run under torchrun")
+    me = dist.get_rank()
+    for name, peer in (("dst", dst), ("src", src)):
+        if peer is not None and (peer == me or not 0 <= peer < dist.get_world_size()):
+            raise ValueError(f"{name}={peer}: a replica's peer must be another rank of "
+                             f"the job (this is rank {me} of {dist.get_world_size()}); "
+                             "a node's replica must live on another node")
+    return me
+
+
+def _check_chunk(chunk_bytes: int, rate_Bps: float | None) -> None:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+    if rate_Bps is not None and not rate_Bps > 0:
+        raise ValueError(f"rate_Bps must be > 0 bytes per second (or None for no limit), "
+                         f"got {rate_Bps!r}")
+
+
+def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
+                      outgoing: tuple[SnapshotHeader, dict[str, torch.Tensor], list[str]] | None,
+                      store: ReplicaStore, *, rate_Bps: float | None = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
+    """One rank's side of one replication round: send `outgoing` to rank `dst`, receive
+    rank `src`'s replica into `store`. Every rank of `group` calls it for the same step
+    (a ring, or a pair with dst == src). Blocks until both transfers are done.
+
+    `outgoing`: (the snapshot's header, its slot's tensors as `SnapshotStore.read(...,
+    verify=False)` gives them, the keys to send: `replica_keys`), or None when this
+    rank has no snapshot to send: a marker goes instead, so `dst` never waits for bytes
+    that will not come. The frame carries the snapshot's own CRC32s, so a byte that
+    changed in the sender's slot after its header was written is caught by the receiver.
+
+    A received replica is published only when complete with every CRC32 matched; a
+    refused one is reported (`error`) and the newest complete replica stays as it was.
+    Raises CheckpointError when the group itself fails (a peer gone): the slot being
+    received is then left without a header, and the group must not be used again.
+    `rate_Bps`: an average rate this rank's sends stay under (sleeping between chunks).
+    """
+    _check_chunk(chunk_bytes, rate_Bps)
+    me = _check_peers(dst, src)
+    t0 = time.perf_counter()
+    errors = []
+    if outgoing is None:
+        out = _Outgoing.marker(me, None, chunk_bytes)
+    else:
+        try:
+            out = _Outgoing.of(me, *outgoing, chunk_bytes)
+        except Exception as e:  # whatever it is, dst must get a marker, not a hang
+            errors.append(f"sent no replica: {e}")
+            out = _Outgoing.marker(me, str(e), chunk_bytes)
+    target: list[tuple[int, torch.Tensor]] = []  # the receiving slot and its mapping
+
+    def sink(incoming: _Incoming) -> tuple[torch.Tensor | None, str | None]:
+        try:
+            target.append(store._begin(incoming.size))
+        except CheckpointError as e:
+            return None, f"no room for the replica of step {incoming.step}: {e}"
+        return target[0][1], None
+
+    try:
+        incoming, sent, received = _transfer(group, dst, src, out, sink, rate_Bps)
+    except RuntimeError as e:  # gloo: a peer gone, a timeout
+        raise CheckpointError(f"replica transfer with ranks {dst} (to) and {src} (from) "
+                              f"failed: {e}") from e
+    assert incoming is not None
+    step_received = None
+    if incoming.problem is not None:
+        errors.append(incoming.problem)
+    elif incoming.step is not None:
+        slot, buf = target[0]
+        bad = incoming.mismatch(buf)
+        if bad is not None:
+            kept = store.newest()
+            errors.append(
+                f"replica of step {incoming.step} from rank {src}: checksum mismatch for "
+                f"{bad!r}; not published (the newest complete replica: "
+                f"{'step ' + str(kept[1].step) if kept else 'none'})")
+        else:
+            store._publish(slot, incoming.header(), incoming.size)
+            step_received = incoming.step
+    return ReplicaReport(out.step, sent, step_received, received, time.perf_counter() - t0,
+                         "; ".join(errors) or None)
+
+
+def send_replica(group: dist.ProcessGroup, dst: int, store: ReplicaStore, slot: int,
+                 header: SnapshotHeader, *, rate_Bps: float | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
+    """Recovery, holder's side: send the replica in `slot` to rank `dst` (the rank whose
+    node was lost), after checking every CRC32 of it; a copy that fails them is not
+    sent: a marker goes instead (`receive_replica` returns None) and `error` says why.
+    Blocks until sent."""
+    _check_chunk(chunk_bytes, rate_Bps)
+    me = _check_peers(dst, None)
+    t0 = time.perf_counter()
+    error = None
+    try:
+        views = store.read(slot, header, verify=True)
+        out = _Outgoing.of(me, header, views, list(header.entries), chunk_bytes)
+    except (CheckpointError, OSError, KeyError) as e:
+        error = f"replica of rank {store.src} step {header.step} not sent: {e}"
+        out = _Outgoing.marker(me, error, chunk_bytes)
+    try:
+        _, sent, _ = _transfer(group, dst, None, out, None, rate_Bps)
+    except RuntimeError as e:
+        raise CheckpointError(f"sending a replica to rank {dst} failed: {e}") from e
+    return ReplicaReport(out.step, sent, None, 0, time.perf_counter() - t0, error)
+
+
+def receive_replica(group: dist.ProcessGroup, src: int
+                    ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
+    """Recovery, receiver's side: the replica rank `src` sends (`send_replica`), as its
+    header (offsets into one CPU buffer) and verified CPU tensors (ordinary memory, not
+    shared); None when the holder had no good copy or the bytes failed their CRC32 in
+    transit: recover from storage then. Blocks until received."""
+    _check_peers(None, src)
+    held: list[torch.Tensor] = []
+
+    def sink(incoming: _Incoming) -> tuple[torch.Tensor, None]:
+        held.append(torch.empty(incoming.size, dtype=torch.uint8))
+        return held[0], None
+
+    try:
+        incoming, _, _ = _transfer(group, None, src, None, sink, None)
+    except RuntimeError as e:
+        raise CheckpointError(f"receiving a replica from rank {src} failed: {e}") from e
+    assert incoming is not None
+    if incoming.problem is not None or incoming.step is None or incoming.mismatch(held[0]):
+        return None
+    header = incoming.header()
+    tensors = {}
+    for key, e in header.entries.items():
+        raw = held[0][e.offset:e.offset + _nbytes(e.dtype, e.shape)]
+        tensors[key] = raw.view(_DTYPE_NAMES[e.dtype]).view(e.shape)
+    return header, tensors
