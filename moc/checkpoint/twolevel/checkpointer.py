@@ -418,11 +418,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     def host_memory(self) -> dict[str, int]:
         """Host memory this rank holds for checkpoints: its own snapshot slots and the
         peer replicas it keeps (`ckpt_host_bytes`, their sum), one snapshot's size, and
-        the replicas' share (`replica_bytes`)."""
+        the replicas. share (`replica_host_bytes`)."""
         sizes = self.store.sizes()
         if self.replicas is not None:
-            replica = self.replicas.sizes()["ckpt_host_bytes"]
-            sizes["replica_bytes"] = replica
+            replica = self.replicas.sizes()["replica_host_bytes"]
+            sizes["replica_host_bytes"] = replica
             sizes["ckpt_host_bytes"] += replica
         return sizes
 

@@ -168,7 +168,7 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
             return "peer"
         return "storage" if step in storage else None
 
-    in_memory = set().union(*everyone, *(s for h in holdings for c in h.values() for s in c))
+    in_memory = set().union(*everyone, {s for h in holdings for c in h.values() for s in c})
     candidates = [step for step in sorted(in_memory, reverse=True)
                   if (newest_storage is None or step >= newest_storage)
                   and all(source(r, step) is not None for r in range(dist.world_size))]

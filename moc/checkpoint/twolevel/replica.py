@@ -476,22 +476,25 @@ def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
                          "; ".join(errors) or None)
 
 
-def send_replica(group: dist.ProcessGroup, dst: int, store: ReplicaStore, slot: int,
-                 header: SnapshotHeader, *, rate_Bps: float | None = None,
+def send_replica(group: dist.ProcessGroup, dst: int, store: SnapshotStore, slot: int,
+                 header: SnapshotHeader | None, *, rate_Bps: float | None = None,
                  chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
-    """Recovery, holder's side: send the replica in `slot` to rank `dst` (the rank whose
-    node was lost), after checking every CRC32 of it; a copy that fails them is not
-    sent: a marker goes instead (`receive_replica` returns None) and `error` says why.
-    Blocks until sent."""
+    """Recovery, holder's side: send the copy in `slot` of `store` (a replica, or a
+    rank's own snapshot left on this node) to rank `dst`, after checking every CRC32
+    of it; a copy that fails them, or none (`header` None: the slot no longer holds
+    it), is not sent: a marker goes instead (`receive_replica` returns None) and `error`
+    says why. Blocks until sent."""
     _check_chunk(chunk_bytes, rate_Bps)
     me = _check_peers(dst, None)
     t0 = time.perf_counter()
     error = None
     try:
+        if header is None:
+            raise CheckpointError("the slot holds no complete copy any more")
         views = store.read(slot, header, verify=True)
         out = _Outgoing.of(me, header, views, list(header.entries), chunk_bytes)
     except (CheckpointError, OSError, KeyError) as e:
-        error = f"replica of rank {store.src} step {header.step} not sent: {e}"
+        error = f"the copy in {store.dir}/slot-{slot} was not sent: {e}"
         out = _Outgoing.marker(me, error, chunk_bytes)
     try:
         _, sent, _ = _transfer(group, dst, None, out, None, rate_Bps)
