@@ -111,3 +111,16 @@ def test_device_cuda_without_a_gpu_is_refused_before_any_worker_starts():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--device cuda: torch sees no CUDA device here" in r.stderr
     assert "use --device cpu" in r.stderr
+
+
+def test_a_node_lost_without_restarts_fails_the_job_and_still_removes_the_memory(tmp_path):
+    r = moc("train", "--nodes", "2", "--nproc", "1", "--config", "tiny", "--steps", "8",
+            "--ckpt-mode", "none", "--device", "cpu", "--no-progress", "--fault-kind", "node",
+            "--fault-node", "1", "--fault-at", "3", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 1
+    assert "moc train: error: simulated nodes failed (" in r.stderr
+    assert "node 1: exit 1" in r.stderr
+    events = read_events(tmp_path / "m.jsonl")
+    (placement,) = [e for e in events if e["event"] == "placement"]
+    assert not Path(placement["shm_roots"][0]).parent.exists()
+    assert not [e for e in events if e["event"] == "summary"]
