@@ -28,7 +28,7 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="where the model trains: cuda (NCCL, GPU LOCAL_RANK) or cpu "
-                        "(gloo); default cuda when a GPU is available")
+                        "(gloo); default cuda when there is a GPU for every rank")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--data", help="text file or directory (default: Python stdlib sources)")
@@ -111,14 +111,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,
         k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress,
-        fault_node=args.fault_node, device=args.device or default_device())
+        fault_node=args.fault_node, device=args.device or default_device(_ranks_here(args)))
 
 
-def default_device() -> str:
-    """cuda when torch sees a GPU, else cpu (`--device` not given)."""
+def _ranks_here(args: argparse.Namespace) -> int:
+    """Ranks this host runs: the launcher's nodes x nproc, a worker's LOCAL_WORLD_SIZE."""
+    import os
+
+    if hasattr(args, "nproc"):
+        return args.nodes * args.nproc
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def default_device(ranks: int) -> str:
+    """`--device` not given: cuda when torch sees a GPU for each of this host's `ranks`
+    (NCCL ranks cannot share one), else cpu, so that `moc train --nproc 2` still runs
+    on a machine with one GPU."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks \
+        else "cpu"
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

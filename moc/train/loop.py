@@ -124,6 +124,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+        if cfg.device == "cuda":
+            # cuBLAS is deterministic only with a fixed workspace (set before its first
+            # use); deterministic algorithms are what make a resumed run bitwise exact.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         init_distributed(cfg.device)
         torch.use_deterministic_algorithms(True)
         self.cfg = cfg
