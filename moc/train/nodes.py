@@ -81,6 +81,8 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = f"moc-{uuid.uuid4().hex[:12]}"
     agents: list[subprocess.Popen] = []
+    # SIGTERM (a scheduler stopping the job) stops the nodes as Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for node in range(nodes):
             (root / f"node-{node}").mkdir(mode=0o700)
@@ -95,12 +97,17 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     finally:
         _terminate(agents)  # a no-op once all have exited
         shutil.rmtree(root, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
     failed = [f"node {i}: exit {c}" for i, c in enumerate(codes) if c != 0]
     if failed:
         print(f"moc train: error: simulated nodes failed ({'; '.join(failed)})",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait(agents: list[subprocess.Popen]) -> list[int]:

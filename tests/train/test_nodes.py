@@ -4,8 +4,10 @@ every rank of node 1 and the job resumes exactly."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,43 @@ def test_a_node_lost_without_restarts_fails_the_job_and_still_removes_the_memory
     (placement,) = [e for e in events if e["event"] == "placement"]
     assert not Path(placement["shm_roots"][0]).parent.exists()
     assert not [e for e in events if e["event"] == "summary"]
+
+
+def _processes_with_env(name: str, value: str) -> list[int]:
+    """Pids of this user's processes whose environment sets `name=value` (/proc)."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone, or another user's
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_launcher_stops_every_node_and_removes_the_memory(tmp_path, signum):
+    metrics = tmp_path / "m.jsonl"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--config",
+         "tiny", "--steps", "100000", "--ckpt-mode", "none", "--device", "cpu",
+         "--no-progress", "--metrics", str(metrics)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"step"' in metrics.read_text()):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
+        node_1 = placement["shm_roots"][1]
+        assert _processes_with_env("MOC_SHM_ROOT", node_1)  # node 1's agent and worker
+        launcher.send_signal(signum)  # the launcher only, as `kill` would
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err[-2000:]
+    assert "every simulated node stopped" in err
+    assert not _processes_with_env("MOC_SHM_ROOT", node_1)
+    assert not Path(node_1).parent.exists()
