@@ -20,9 +20,10 @@ from moc.train.config import TrainConfig
 DEMO_DIR = Path("runs/demo")
 
 
-def check_train_config(cfg: TrainConfig, nproc: int) -> None:
+def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
     """Everything that can be checked before starting processes, so that bad input gets
-    one clear line instead of a traceback from every rank."""
+    one clear line instead of a traceback from every rank. `nproc` ranks on each of
+    `nodes` (simulated) nodes."""
     from moc.checkpoint.store.manifest import Manifest
     from moc.checkpoint.store.steps import complete_steps
     from moc.topology import ParallelLayout
@@ -30,9 +31,27 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
 
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    ParallelLayout(nproc, cfg.resolve_ep(nproc), cfg.model.n_experts)
-    if (cfg.fault_at is not None or cfg.fault_every is not None) and cfg.fault_rank >= nproc:
-        raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with --nproc {nproc}")
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    world = nodes * nproc
+    ParallelLayout(world, cfg.resolve_ep(world), cfg.model.n_experts)
+    faults = cfg.fault_at is not None or cfg.fault_every is not None
+    if faults and cfg.fault_node is None and cfg.fault_rank >= world:
+        ranks = f"--nproc {nproc}" + (f" x --nodes {nodes}" if nodes > 1 else "")
+        raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with {ranks}")
+    if cfg.fault_node is not None and cfg.fault_node >= nodes:
+        raise ValueError(f"--fault-node {cfg.fault_node} does not exist with --nodes {nodes}"
+                         f" (nodes are numbered 0..{nodes - 1})")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here (torch."
+                             "cuda.is_available() is False); use --device cpu")
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"--device cuda: {world} ranks need a GPU each, this machine "
+                             f"has {torch.cuda.device_count()}; use fewer ranks or "
+                             "--device cpu")
     Corpus.load(cfg.data, cfg.model.seq_len)
     if cfg.ckpt_mode != "none":
         from moc.checkpoint.policy.selection import PECPolicy
@@ -75,14 +94,22 @@ def check_train_config(cfg: TrainConfig, nproc: int) -> None:
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Start `args.nproc` workers under torchrun (restarting them on faults)."""
+    """Start `args.nproc` workers under torchrun (restarting them on faults); with
+    `--nodes N` > 1, N torchrun agents, one per simulated node (moc.train.nodes)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     cfg = config_from_args(args)
-    check_train_config(cfg, args.nproc)
+    check_train_config(cfg, args.nproc, args.nodes)
+    args.device = cfg.device  # every worker trains where the launcher decided
     # Each rank gets its share of the cores; also silences torchrun's warning.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    ranks = args.nodes * args.nproc
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    if args.nodes > 1:
+        from moc.train.nodes import run_nodes
+
+        return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
+                         gpus=args.nproc if cfg.device == "cuda" else 0)
     torchrun_argv = ["--standalone", "--nproc-per-node", str(args.nproc),
                      "--max-restarts", str(args.max_restarts),
                      "--module", "moc.train", *worker_argv(args, parser)]

@@ -34,6 +34,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def node_rank() -> int:
+    """This process's node in the job: torchrun's GROUP_RANK (its agent's rank in the
+    rendezvous), 0 outside torchrun."""
+    return int(os.environ.get("GROUP_RANK", "0"))
+
+
 def init_distributed(backend: str | None = None,
                      timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> bool:
     """Join the torchrun job, in a way that survives torchrun restarts; whether a
@@ -47,7 +53,13 @@ def init_distributed(backend: str | None = None,
     Why not `dist.init_process_group(backend)`: torchrun keeps one store for the whole
     job, and a restarted worker would read the addresses its dead predecessors
     published there and fail to connect (gloo: "connectFullMesh failed ... Connection
-    refused"). The store is namespaced here by torchrun's restart count.
+    refused"). That shared store (TORCHELASTIC_USE_AGENT_STORE) is namespaced here by
+    torchrun's restart count, which is right on one node. Across nodes the agents'
+    counts can differ (an agent whose workers are still healthy when another node
+    re-joins restarts them without counting it), so multi-node jobs turn the sharing
+    off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as `moc train --nodes` does): rank 0
+    then hosts a fresh store on a fresh port every rendezvous round, which needs no
+    namespace (see docs/DECISIONS.md, Issue 14: simulated nodes).
     """
     if dist.is_initialized():
         return True
@@ -61,7 +73,8 @@ def init_distributed(backend: str | None = None,
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"moc/attempt-{restart_count()}", store)
+    if agent_store:
+        store = dist.PrefixStore(f"moc/attempt-{restart_count()}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timeout)
     return True

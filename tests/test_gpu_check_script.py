@@ -19,3 +19,7 @@ def test_gpu_check_script_passes_on_the_cpu():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "from memory" in r.stdout and "PASS" in r.stdout
+    # The 2-rank part ran too (gloo on the CPU), through a restart recovered from memory.
+    assert "2 ranks: rank 1 killed at step 13, resumed from step 10 (memory)" in r.stdout
+    assert "2 ranks: losses after the restart bitwise equal to the straight run: True" \
+        in r.stdout

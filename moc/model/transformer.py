@@ -206,7 +206,8 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * N * K / E)
             starts_E = torch.cumsum(counts_E, 0) - counts_E
-            rank_in_expert_A = torch.arange(N * K) - starts_E[ids_A[order_A]]
+            rank_in_expert_A = (torch.arange(N * K, device=ids_A.device)
+                                - starts_E[ids_A[order_A]])
             order_A = order_A[rank_in_expert_A < capacity]
             counts_E = counts_E.clamp(max=capacity)
         token_A = order_A // K
@@ -289,7 +290,8 @@ class Transformer(nn.Module):
         logits_BTV = self.lm_head(self.norm(x_BTD))
         aux_loss = torch.stack(aux_losses).mean() if aux_losses else logits_BTV.new_zeros(())
         tokens_per_expert = (torch.stack(counts) if counts
-                             else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64))
+                             else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,
+                                          device=idx_BT.device))
         ce_loss = loss = None
         if targets_BT is not None:
             ce_loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())

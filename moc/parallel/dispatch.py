@@ -53,7 +53,9 @@ class AllToAllDispatcher:
     def __call__(self, experts: Experts, x_AD: torch.Tensor, counts_E: list[int]
                  ) -> torch.Tensor:
         ep, L = self.ep, experts.n_local
-        send_counts_RL = torch.tensor(counts_E, dtype=torch.int64).view(ep, L)
+        # The counts travel on the rows' device: NCCL sends only CUDA tensors.
+        send_counts_RL = torch.tensor(counts_E, dtype=torch.int64,
+                                      device=x_AD.device).view(ep, L)
         recv_counts_RL = torch.empty_like(send_counts_RL)
         # Blocks until every rank of the EP group has sent its counts.
         dist.all_to_all_single(recv_counts_RL, send_counts_RL, group=self.group)
@@ -63,7 +65,9 @@ class AllToAllDispatcher:
 
         # Arrived rows are ordered (source rank, local expert); experts want
         # (local expert, source rank).
-        perm = _regroup_permutation(recv_counts_RL)
+        # Built on the host from the counts (a no-op copy on the CPU), used on the rows'
+        # device.
+        perm = _regroup_permutation(recv_counts_RL.cpu()).to(x_AD.device)
         y = experts(recv_x[perm], recv_counts_RL.sum(0).tolist())
         y = y[torch.argsort(perm)]
         return all_to_all(y, in_splits, out_splits, self.group)

@@ -65,10 +65,12 @@ def clip_grad_norm_(model: nn.Module, groups: ParallelGroups, max_norm: float) -
     so the expert part is the sum of squares over the EP group.
     """
     dense, experts = split_parameters(model)
+    # On the parameters' device: the all-reduce below may be NCCL's (CUDA tensors only).
+    zero = torch.zeros((), device=next(model.parameters()).device)
     dense_sq = sum((p.grad.float().pow(2).sum() for _, p in dense if p.grad is not None),
-                   torch.zeros(()))
+                   zero)
     expert_sq = sum((p.grad.float().pow(2).sum() for _, p in experts if p.grad is not None),
-                    torch.zeros(()))
+                    zero)
     if groups.distributed and groups.layout.ep > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
     total = (dense_sq + expert_sq).sqrt()

@@ -7,13 +7,17 @@ import argparse
 from moc.train.config import CKPT_MODES, PRESETS, TrainConfig
 
 # Options only the launcher understands; the workers never see them.
-LAUNCHER_OPTIONS = ("nproc", "max_restarts")
+LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts")
 
 
 def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     if launcher:
+        p.add_argument("--nodes", type=int, default=1,
+                       help="simulated machines on this host (default 1): one torchrun "
+                            "agent each, with its own node-local memory; --nproc ranks "
+                            "per node")
         p.add_argument("--nproc", type=int, default=2,
-                       help="ranks to start on this machine via torchrun (default 2)")
+                       help="ranks to start per node via torchrun (default 2)")
         p.add_argument("--max-restarts", type=int, default=0,
                        help="times torchrun restarts the job after a fault (default 0)")
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
@@ -22,6 +26,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--ep", type=int, help="expert-parallel degree (default: the largest "
                                           "dividing both ranks and experts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="where the model trains: cuda (NCCL, GPU LOCAL_RANK) or cpu "
+                        "(gloo); default cuda when there is a GPU for every rank")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--data", help="text file or directory (default: Python stdlib sources)")
@@ -63,6 +70,10 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-kind", choices=["process", "node", "persist"], default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode moc)")
+    p.add_argument("--fault-node", type=int,
+                   help="with --fault-kind node: lose node J (torchrun's GROUP_RANK) "
+                        "instead of --fault-rank's: its persist process and every rank "
+                        "are SIGKILLed and its node-local memory wiped")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on a terminal: a plain line every 10%% of the steps, "
                         "as in a log (the default when stderr is not a terminal or CI is set)")
@@ -99,7 +110,27 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,
-        k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress)
+        k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress,
+        fault_node=args.fault_node, device=args.device or default_device(_ranks_here(args)))
+
+
+def _ranks_here(args: argparse.Namespace) -> int:
+    """Ranks this host runs: the launcher's nodes x nproc, a worker's LOCAL_WORLD_SIZE."""
+    import os
+
+    if hasattr(args, "nproc"):
+        return args.nodes * args.nproc
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def default_device(ranks: int) -> str:
+    """`--device` not given: cuda when torch sees a GPU for each of this host's `ranks`
+    (NCCL ranks cannot share one), else cpu, so that `moc train --nproc 2` still runs
+    on a machine with one GPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks \
+        else "cpu"
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

@@ -38,6 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 CKPT_MODES = ("none", "blocking", "pec", "moc", "dcp-sync", "dcp-async")
 FAULT_KINDS = ("process", "node", "persist")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,12 @@ class TrainConfig:
     fault_kind: str = "process"
     """process: SIGKILL the rank; node: also wipe this node's shared-memory snapshots;
     persist: SIGKILL rank 0's persist process (two-level mode only), the ranks live on."""
+    fault_node: int | None = None
+    """With fault_kind node: the node (torchrun's GROUP_RANK) to lose, all its ranks and
+    its persist process at once; None loses fault_rank's node through fault_rank alone."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL; each rank on GPU LOCAL_RANK). The checkpoint engines
+    take the state from wherever it is."""
     progress: bool = True
     """A progress bar with the ETA on rank 0 when stderr is a terminal (not under CI);
     False (`--no-progress`) keeps the plain line every 10%, as in a log."""
@@ -145,6 +152,14 @@ class TrainConfig:
             raise ValueError("--fault-kind persist kills rank 0's persist process: it needs "
                              f"--ckpt-mode moc and --fault-rank 0, got --ckpt-mode "
                              f"{self.ckpt_mode} --fault-rank {self.fault_rank}")
+
+        if self.fault_node is not None and (self.fault_kind != "node" or self.fault_node < 0):
+            raise ValueError(f"--fault-node {self.fault_node} loses a whole node: it needs "
+                             f"--fault-kind node (got {self.fault_kind}) and a node index "
+                             ">= 0")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, "
+                             f"got {self.device!r}")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:

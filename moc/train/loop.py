@@ -25,7 +25,7 @@ from moc.checkpoint.api import CheckpointEngine, CheckpointResult
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import default_job_id, remove_job
+from moc.checkpoint.twolevel.slots import default_job_id, remove_job, shm_root
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
@@ -35,36 +35,45 @@ from moc.parallel import (
     sync_gradients,
 )
 from moc.topology import init_distributed as init
-from moc.topology import restart_count
+from moc.topology import node_rank, restart_count
 from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
 from moc.train.metrics import MetricsWriter, StepProgress, read_events, table
 
 
-def init_distributed() -> None:
-    """Join the torchrun job on gloo (the reference trainer trains on the CPU; see
-    docs/STATUS.md); `moc.init_distributed` does the restart-safe part."""
-    init(backend="gloo")
+def init_distributed(device: str = "cpu") -> None:
+    """Join the torchrun job: NCCL on cuda (each rank on GPU LOCAL_RANK), gloo on the
+    CPU; `moc.init_distributed` does the restart-safe part."""
+    init(backend="nccl" if device == "cuda" else "gloo")
 
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
-                       checkpointer: Any = None) -> None:
+                       checkpointer: Any = None, attempt: int | None = None) -> None:
     """SIGKILL this process on `--fault-rank` at `--fault-at` on the first attempt only
     (a restarted job must get past the step that killed it), or with `--fault-every F` at
     step (r + 1) F on attempt r: each restart resumes before its attempt's fault step and
     meets the next one F steps later. A node fault also wipes the node's shared-memory
     snapshots, as losing the machine would. A persist fault SIGKILLs rank 0's persist
     process instead (the training ranks live on), at every multiple of F with
-    `--fault-every`: more often than it may be restarted."""
+    `--fault-every`: more often than it may be restarted. `attempt`: the job's attempt
+    (`Trainer.attempt`, the same on every node), by default this agent's restart count.
+
+    `--fault-node J` loses node J instead (`lose_node`): all its ranks at once."""
+    attempt = restart_count() if attempt is None else attempt
     if cfg.fault_every is not None and cfg.fault_kind == "persist":
         due = step % cfg.fault_every == 0
     elif cfg.fault_every is not None:
-        due = step == (restart_count() + 1) * cfg.fault_every
+        due = step == (attempt + 1) * cfg.fault_every
     else:
-        due = cfg.fault_at == step and restart_count() == 0
+        due = cfg.fault_at == step and attempt == 0
     if not due:
         return
     # Logged by rank 0 (the only metrics writer) whichever rank the fault kills.
+    if cfg.fault_node is not None:
+        metrics.emit("fault", step=step, node=cfg.fault_node, kind=cfg.fault_kind)
+        if node_rank() == cfg.fault_node:
+            lose_node(cfg, metrics, checkpointer)
+        return
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
     if cfg.fault_kind == "persist":
         process = getattr(getattr(checkpointer, "persist", None), "process", None)
@@ -76,6 +85,20 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
         if cfg.fault_kind == "node" and cfg.ckpt_dir is not None:
             remove_job(default_job_id(cfg.ckpt_dir))  # this job's node-local snapshots
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> None:
+    """This rank's part of losing its machine: the rank holding the node's persist process
+    (its local rank 0) SIGKILLs it first, then every rank wipes its node-local job
+    directory (under its own MOC_SHM_ROOT) and SIGKILLs itself."""
+    process = getattr(getattr(checkpointer, "persist", None), "process", None)
+    if process is not None and process.poll() is None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()  # gone before the memory it reads from is
+    metrics.close()
+    if cfg.ckpt_dir is not None:
+        remove_job(default_job_id(cfg.ckpt_dir))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _mean_over_ranks(value: torch.Tensor, groups: ParallelGroups) -> float:
@@ -99,30 +122,69 @@ class RunResult:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
-        init_distributed()
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+        if cfg.device == "cuda":
+            # cuBLAS is deterministic only with a fixed workspace (set before its first
+            # use); deterministic algorithms are what make a resumed run bitwise exact.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        init_distributed(cfg.device)
         torch.use_deterministic_algorithms(True)
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
         self.rank = self.groups.rank
         self.is_main = self.rank == 0
-        if (cfg.fault_at is not None or cfg.fault_every is not None) and cfg.fault_rank >= world:
+        faults = cfg.fault_at is not None or cfg.fault_every is not None
+        if faults and cfg.fault_node is None and cfg.fault_rank >= world:
             raise ValueError(f"--fault-rank {cfg.fault_rank} does not exist with {world} ranks")
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if cfg.fault_node is not None and cfg.fault_node >= nodes:
+            raise ValueError(f"--fault-node {cfg.fault_node} does not exist with {nodes} "
+                             "nodes")
+        # cuda:LOCAL_RANK once NCCL is up (init_distributed set it), else the CPU.
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if cfg.device == "cuda" else torch.device("cpu"))
 
+        # Built on the CPU from the seed, then moved: the same initial weights anywhere.
         torch.manual_seed(cfg.seed)
         self.model = Transformer(cfg.model)
         shard_experts(self.model, self.groups)
+        self.model.to(self.device)
         self.optimizer = ShardedAdamW(self.model, self.groups, lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
         self.corpus = Corpus.load(cfg.data, cfg.model.seq_len)
         self.sampler = BatchSampler(len(self.corpus.train), cfg.model.seq_len,
                                     cfg.batch_size * world, cfg.seed)
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
+        self.attempt = self._agree_on_placement()
+        """The job's attempt (0 first), the same on every rank of every node."""
         self.checkpointer = self.make_checkpointer()
         # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
         self.routing = (self.checkpointer.watch_routing(self.model) if isinstance(
             self.checkpointer, (Checkpointer, TwoLevelCheckpointer)) else None)
         self.step = 0
+
+    def _agree_on_placement(self) -> int:
+        """The job's attempt, agreed by every rank; rank 0 logs where every rank runs:
+        its node (GROUP_RANK) and its node-local memory root (what a node fault wipes).
+        Collective, once per attempt.
+
+        The attempt is the largest of the agents' restart counts: each agent counts only
+        the failures of its own workers (one whose workers are still healthy when
+        another node re-joins restarts them uncounted), and any restart after a fault
+        has at least one agent counting it."""
+        mine = {"node": node_rank(), "shm_root": str(shm_root()), "restart": restart_count()}
+        everyone = [mine]
+        if self.groups.distributed:
+            everyone = [{} for _ in range(self.groups.world_size)]
+            dist.all_gather_object(everyone, mine, group=self.groups.side_group)
+        attempt = max(r["restart"] for r in everyone)
+        self.metrics.emit("placement", attempt=attempt, device=self.cfg.device,
+                          nodes=[r["node"] for r in everyone],
+                          restarts=[r["restart"] for r in everyone],
+                          shm_roots=[r["shm_root"] for r in everyone])
+        return attempt
 
     def make_checkpointer(self) -> CheckpointEngine | None:
         """The engine of `--ckpt-mode`; the loop drives every one through the contract."""
@@ -180,7 +242,7 @@ class Trainer:
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
         self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
                           resumed_from=result.step, source=result.source,
-                          recovery_s=result.recovery_s, restart=restart_count(),
+                          recovery_s=result.recovery_s, restart=self.attempt,
                           plt=result.plt, lost_tokens=result.lost_tokens,
                           lost_per_layer=result.lost_per_layer)
         if result.k != result.k_before:
@@ -194,6 +256,7 @@ class Trainer:
         cfg, groups = self.cfg, self.groups
         starts = rank_slice(self.sampler.next(), self.rank, groups.world_size)
         x_BT, y_BT = windows(self.corpus.train, starts, cfg.model.seq_len)
+        x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
         out = self.model(x_BT, y_BT)
         out.loss.backward()
         sync_gradients(self.model, groups)
@@ -215,7 +278,7 @@ class Trainer:
         mine = rank_slice(starts, self.rank, self.groups.world_size)
         losses = []
         for batch in mine.split(cfg.batch_size):
-            x_BT, y_BT = windows(self.corpus.val, batch, T)
+            x_BT, y_BT = (t.to(self.device) for t in windows(self.corpus.val, batch, T))
             losses.append(self.model(x_BT, y_BT).ce_loss)
         return _mean_over_ranks(torch.stack(losses).mean(), self.groups)
 
@@ -231,7 +294,8 @@ class Trainer:
         self.model.train()
         while self.step < cfg.steps:
             self.step += 1
-            maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer)
+            maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer,
+                               self.attempt)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
             # Nothing checkpoint-related is built on steps that do not checkpoint.

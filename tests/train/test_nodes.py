@@ -1,0 +1,168 @@
+"""`moc train --nodes 2`: two torchrun agents on 127.0.0.1, one per simulated node, each
+with its own node-local memory; a node fault (`--fault-kind node --fault-node 1`) kills
+every rank of node 1 and the job resumes exactly."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moc.train.metrics import read_events
+from tests.engines import losses_by_step
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+STEPS, INTERVAL, FAULT_AT = 12, 4, 10
+
+
+def moc(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moc", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _train(root: Path, *extra: str) -> list[dict]:
+    r = moc("train", "--config", "tiny", "--steps", str(STEPS), "--ckpt-dir",
+            str(root / "ckpt"), "--ckpt-interval", str(INTERVAL), "--ckpt-mode", "pec",
+            "--k-persist", "all", "--device", "cpu", "--no-progress",
+            "--metrics", str(root / "metrics.jsonl"), *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_events(root / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """2 ranks three ways: one node, two simulated nodes, two nodes losing node 1."""
+    dirs = {n: tmp_path_factory.mktemp(n) for n in ("single", "nodes", "lost")}
+    return {
+        "single": _train(dirs["single"], "--nproc", "2"),
+        "nodes": _train(dirs["nodes"], "--nodes", "2", "--nproc", "1"),
+        "lost": _train(dirs["lost"], "--nodes", "2", "--nproc", "1", "--fault-kind", "node",
+                       "--fault-node", "1", "--fault-at", str(FAULT_AT),
+                       "--max-restarts", "1"),
+    }
+
+
+def _hex_losses(events: list[dict]) -> dict[int, list[str]]:
+    return {s: [float(v).hex() for v in ls] for s, ls in losses_by_step(events).items()}
+
+
+def test_two_simulated_nodes_train_exactly_as_one_node_with_the_same_ranks(runs):
+    single, nodes = _hex_losses(runs["single"]), _hex_losses(runs["nodes"])
+    assert sorted(single) == list(range(1, STEPS + 1))
+    assert nodes == single
+
+
+def test_losing_node_1_resumes_from_storage_and_matches_the_uninterrupted_run(runs):
+    events = runs["lost"]
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    assert (fault["step"], fault["node"], fault["kind"]) == (FAULT_AT, 1, "node")
+    (recovery,) = [e for e in events if e["event"] == "recovery"]
+    assert recovery["source"] == "storage" and recovery["resumed_from"] == 8
+    assert recovery["lost_tokens"] == 0  # every expert was persisted (--k-persist all)
+    straight, lost = _hex_losses(runs["nodes"]), _hex_losses(runs["lost"])
+    # Step 9 ran twice (before the fault and after the restart); step 10 only after it.
+    assert len(lost[9]) == 2 and len(lost[FAULT_AT]) == 1
+    for step in range(1, STEPS + 1):
+        assert all(v == straight[step][0] for v in lost[step]), (step, lost[step])
+    assert [e["steps"] for e in events if e["event"] == "summary"] == [STEPS]
+
+
+def test_each_node_has_its_own_memory_root_kept_across_the_restart_and_removed_after(runs):
+    placements = [e for e in runs["lost"] if e["event"] == "placement"]
+    assert [p["attempt"] for p in placements] == [0, 1]
+    roots = [[Path(r) for r in p["shm_roots"]] for p in placements]
+    sim_root = roots[0][0].parent
+    assert sim_root.name.startswith("moc-nodes-")
+    # Rank r runs on node r (one rank per node) and sees node r's own root; c10d gave
+    # each agent the same node rank again after the restart.
+    for p, rs in zip(placements, roots, strict=True):
+        assert p["nodes"] == [0, 1]
+        assert rs == [sim_root / "node-0", sim_root / "node-1"]
+    assert not sim_root.exists()  # the simulated machines are gone, and their memory
+    (single,) = [e for e in runs["single"] if e["event"] == "placement"]
+    assert single["nodes"] == [0, 0] and len(set(single["shm_roots"])) == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nodes", "2", "--nproc", "1", "--fault-kind", "node", "--fault-node", "2",
+      "--fault-at", "5"], "--fault-node 2 does not exist with --nodes 2 (nodes are numbered "
+                          "0..1)"),
+    (["--nodes", "2", "--nproc", "1", "--fault-node", "1", "--fault-at", "5"],
+     "--fault-node 1 loses a whole node: it needs --fault-kind node (got process)"),
+    (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+    (["--nodes", "2", "--nproc", "1", "--fault-at", "5", "--fault-rank", "2"],
+     "--fault-rank 2 does not exist with --nproc 1 x --nodes 2"),
+])
+def test_bad_node_options_get_a_one_line_error(args, message):
+    r = moc("train", *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert message in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_device_cuda_without_a_gpu_is_refused_before_any_worker_starts():
+    r = moc("train", "--device", "cuda")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--device cuda: torch sees no CUDA device here" in r.stderr
+    assert "use --device cpu" in r.stderr
+
+
+def test_a_node_lost_without_restarts_fails_the_job_and_still_removes_the_memory(tmp_path):
+    r = moc("train", "--nodes", "2", "--nproc", "1", "--config", "tiny", "--steps", "8",
+            "--ckpt-mode", "none", "--device", "cpu", "--no-progress", "--fault-kind", "node",
+            "--fault-node", "1", "--fault-at", "3", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 1
+    assert "moc train: error: simulated nodes failed (" in r.stderr
+    assert "node 1: exit 1" in r.stderr
+    events = read_events(tmp_path / "m.jsonl")
+    (placement,) = [e for e in events if e["event"] == "placement"]
+    assert not Path(placement["shm_roots"][0]).parent.exists()
+    assert not [e for e in events if e["event"] == "summary"]
+
+
+def _processes_with_env(name: str, value: str) -> list[int]:
+    """Pids of this user's processes whose environment sets `name=value` (/proc)."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone, or another user's
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_launcher_stops_every_node_and_removes_the_memory(tmp_path, signum):
+    metrics = tmp_path / "m.jsonl"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--config",
+         "tiny", "--steps", "100000", "--ckpt-mode", "none", "--device", "cpu",
+         "--no-progress", "--metrics", str(metrics)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"step"' in metrics.read_text()):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
+        node_1 = placement["shm_roots"][1]
+        assert _processes_with_env("MOC_SHM_ROOT", node_1)  # node 1's agent and worker
+        launcher.send_signal(signum)  # the launcher only, as `kill` would
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err[-2000:]
+    assert "every simulated node stopped" in err
+    assert not _processes_with_env("MOC_SHM_ROOT", node_1)
+    assert not Path(node_1).parent.exists()
