@@ -41,8 +41,15 @@ STRATEGIES: dict[str, list[str]] = {
     "dcp-sync": ["--ckpt-mode", "dcp-sync"],
     "dcp-async": ["--ckpt-mode", "dcp-async"],
     "moc-base-async": ["--ckpt-mode", "moc", "--k-persist", "all"],
-    "moc": ["--ckpt-mode", "moc", "--k-persist", "1", "--k-snapshot", "auto"],
+    "moc": ["--ckpt-mode", "moc", "--k-persist", "1", "--k-snapshot", "auto",
+            "--k-replica", "none"],
+    # Across nodes only (--nodes > 1): moc with a peer replica of every snapshot in the
+    # next node's memory.
+    "moc-peers": ["--ckpt-mode", "moc", "--k-persist", "1", "--k-snapshot", "auto",
+                  "--k-replica", "all"],
 }
+PEERS = ("moc-peers",)
+"""Strategies that need more than one node."""
 SYNCHRONOUS = ("blocking", "dcp-sync")
 """Strategies that write while training waits: their persist time is the stall."""
 
@@ -117,10 +124,13 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path
-                 ) -> dict[str, Any]:
+def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path,
+                 nodes: int = 1) -> dict[str, Any]:
     fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank", "1",
                                        "--max-restarts", "1"]
+    if name in PEERS:  # the last node is lost: its ranks come back from their peers
+        fault = ["--fault-at", str(steps), "--fault-kind", "node", "--fault-node",
+                 str(nodes - 1), "--max-restarts", "1"]
     events = train_run([*common, *STRATEGIES[name], *fault], workdir)
     first_attempt = []
     for e in events:
@@ -133,7 +143,7 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     summary = [e for e in events if e["event"] == "summary"][-1]
     partial = name == "moc"
     later = ckpts[1:] if partial and len(ckpts) > 1 else ckpts
-    restore = {"memory": None, "storage": None}
+    restore: dict[str, float | None] = {"memory": None, "storage": None, "peer": None}
     for r in recoveries:
         restore[r["source"]] = r["recovery_s"]
     if name.startswith("moc"):
@@ -169,6 +179,15 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "persist_skipped": sum(1 for e in ckpts if e.get("persist_skipped")),
         "restore_storage_s": restore["storage"],
         "restore_memory_s": restore["memory"],
+        "restore_peer_s": restore["peer"],
+        # This rank's (rank 0's) peer replica per checkpoint: bytes sent to the next
+        # node's memory, and the time its round took on the snapshot thread.
+        "replica_bytes_per_rank": (int(statistics.median(replicas))
+                                   if (replicas := [e["replica_bytes"] for e in ckpts
+                                                    if e.get("replica_bytes")]) else None),
+        "replica_s": (statistics.median(times)
+                      if (times := [e["replica_s"] for e in ckpts
+                                    if e.get("replica_s") is not None]) else None),
         "peak_host_mem_bytes": summary.get("ckpt_host_bytes"),
         "snapshot_bytes": summary.get("snapshot_bytes"),
         "peak_rss_bytes": summary.get("peak_rss_bytes"),
@@ -193,10 +212,13 @@ def markdown(result: dict[str, Any]) -> str:
     def fmt(v: float | None, unit: str = "s", digits: int = 4) -> str:
         return "-" if v is None else f"{v:.{digits}f} {unit}".strip()
 
+    # Across nodes: the peer tier's columns (replica bytes and time, restore from a peer).
+    peers = any(r.get("replica_bytes_per_rank") or r.get("restore_peer_s") for r in s.values())
+    extra = " replica/ckpt/rank | replica time | restore peer |" if peers else ""
     lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
              "| throughput | steady | bytes/ckpt | imbalance | persist | persist/disk "
-             "| restore storage | restore memory | ckpt host memory |",
-             "| --- | " + " | ".join(["---:"] * 14) + " |"]
+             "| restore storage | restore memory | ckpt host memory |" + extra,
+             "| --- | " + " | ".join(["---:"] * (17 if peers else 14)) + " |"]
     for name, r in s.items():
         ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
                  else None)
@@ -216,19 +238,29 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {fmt(None if r['bytes_per_ckpt'] is None else r['bytes_per_ckpt'] / 1e6, 'MB', 1)} "
             f"| {fmt(r['imbalance'], '', 3)} | {fmt(r['persist_s'])} "
             f"| {fmt(r.get('persist_fraction_of_disk'), '', 2)} "
-            f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |")
+            f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |"
+            + (f" {fmt(_mb(r.get('replica_bytes_per_rank')), 'MB', 1)} "
+               f"| {fmt(r.get('replica_s'))} | {fmt(r.get('restore_peer_s'))} |"
+               if peers else ""))
     return "\n".join(lines)
+
+
+def _mb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench overhead", description=__doc__)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes (moc train --nodes); with more than one, the "
+                        "moc-peers strategy (peer replicas) runs beside moc (none)")
     p.add_argument("--config", default="bench")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
     p.add_argument("--quick", action="store_true", help="20 steps: under 5 minutes on 2 cores")
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                   choices=list(STRATEGIES))
+    p.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
+                   help="default: every strategy (with --nodes > 1: none, moc, moc-peers)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all strategies, interleaved; figures are the median "
                         "over rounds (this machine is shared and noisy)")
@@ -238,9 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (drawn only on a terminal, never under CI)")
     args = p.parse_args(argv)
+    if args.nodes < 1:
+        p.error(f"--nodes must be >= 1, got {args.nodes}")
+    if args.strategies is None:
+        args.strategies = ([n for n in STRATEGIES if n not in PEERS] if args.nodes == 1
+                           else ["none", "moc", *PEERS])
+    if args.nodes == 1 and set(args.strategies) & set(PEERS):
+        p.error("moc-peers needs more than one node: add --nodes 2")
     steps = 20 if args.quick else args.steps
-    common = ["--nproc", str(args.nproc), "--config", args.config, "--steps", str(steps),
-              "--ckpt-interval", str(args.interval)]
+    common = ["--nodes", str(args.nodes), "--nproc", str(args.nproc), "--config",
+              args.config, "--steps", str(steps), "--ckpt-interval", str(args.interval)]
     t0 = time.perf_counter()
     n_runs = args.repeat * len(args.strategies)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
@@ -256,13 +295,15 @@ def main(argv: list[str] | None = None) -> int:
                 workdir = Path(tmp) / f"{name}-{i}"
                 workdir.mkdir()
                 bar.note(name if args.repeat == 1 else f"{name}, round {i + 1}")
-                rounds[name].append(run_strategy(name, common, steps, args.interval, workdir))
+                rounds[name].append(run_strategy(name, common, steps, args.interval, workdir,
+                                                 args.nodes))
                 bar.update()
         strategies = {name: _median_of(runs) for name, runs in rounds.items()}
     for r in strategies.values():
         r["persist_fraction_of_disk"] = (r["persist_Bps"] / limits["disk_write_Bps"]
                                          if r["persist_Bps"] else None)
-    result = {"config": {"preset": args.config, "nproc": args.nproc, "steps": steps,
+    result = {"config": {"preset": args.config, "nodes": args.nodes, "nproc": args.nproc,
+                         "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
                          "wall_s": time.perf_counter() - t0},
               "limits": limits, "strategies": strategies,
@@ -270,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
               # as telling as the median.
               "rounds": rounds}
     publish("moc bench overhead",
-            [("config", f"{args.config}, {args.nproc} ranks, {steps} steps, "
-                        f"a checkpoint every {args.interval}"),
+            [("config", f"{args.config}, {args.nodes} node(s) x {args.nproc} ranks, {steps} "
+                        f"steps, a checkpoint every {args.interval}"),
              ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
              ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
              ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),

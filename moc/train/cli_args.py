@@ -46,6 +46,16 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                         "(default) or waits for it")
     p.add_argument("--k-persist", help="pec: experts saved per MoE layer per checkpoint, "
                                        "an integer or 'all' (default 1)")
+    p.add_argument("--k-replica", default="all",
+                   help="moc across nodes: experts per MoE layer in the peer replica each "
+                        "rank sends to another node's memory: 'all' (default: a lost node "
+                        "loses nothing), an integer, or 'none' (no replicas)")
+    p.add_argument("--replica-jump", type=int, default=1,
+                   help="moc across nodes: node i keeps the replicas of node i - jump "
+                        "(default 1)")
+    p.add_argument("--replica-rate", type=float,
+                   help="moc across nodes: bytes/s each rank may send to its peer "
+                        "(default unlimited)")
     p.add_argument("--k-snapshot", default="all",
                    help="moc: experts per MoE layer in the memory snapshot: an integer, "
                         "'all' (default: exact recovery from a process crash) or 'auto'")
@@ -101,6 +111,16 @@ def _parse_k_snapshot(value: str) -> int | str:
                          ) from None
 
 
+def _parse_k_replica(value: str) -> int | str:
+    if value in ("all", "none"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--k-replica must be an integer, 'all' or 'none', got {value!r}"
+                         ) from None
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_preset(
         args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
@@ -111,7 +131,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,
         k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress,
-        fault_node=args.fault_node, device=args.device or default_device(_ranks_here(args)))
+        k_replica=_parse_k_replica(args.k_replica), replica_jump=args.replica_jump,
+        replica_rate=args.replica_rate, fault_node=args.fault_node,
+        device=args.device or default_device(_ranks_here(args)))
 
 
 def _ranks_here(args: argparse.Namespace) -> int:

@@ -78,6 +78,13 @@ class TrainConfig:
     """moc: experts per MoE layer in the memory snapshot: an integer, all (exact
     recovery from a process crash) or auto (the largest whose copy hides behind a
     forward and backward pass, measured on the first checkpoint)."""
+    k_replica: int | str = "all"
+    """moc across nodes: experts per MoE layer in each rank's peer replica: all, an
+    integer, or none (no replicas)."""
+    replica_jump: int = 1
+    """moc across nodes: node i keeps the replicas of node i - jump."""
+    replica_rate: float | None = None
+    """moc across nodes: bytes/s each rank may send to its peer (None: unlimited)."""
     k_persist: int | None = 1
     """pec: experts saved per MoE layer per checkpoint; None saves all (K = N)."""
     selection: str = "sequential"
@@ -144,6 +151,14 @@ class TrainConfig:
                 or (isinstance(self.k_snapshot, int) and self.k_snapshot >= 1)):
             raise ValueError(f"--k-snapshot must be an integer >= 1, all or auto, "
                              f"got {self.k_snapshot!r}")
+        if not (self.k_replica in ("all", "none")
+                or (isinstance(self.k_replica, int) and self.k_replica >= 1)):
+            raise ValueError(f"--k-replica must be an integer >= 1, all or none, "
+                             f"got {self.k_replica!r}")
+        if self.replica_jump < 1:
+            raise ValueError(f"--replica-jump must be >= 1, got {self.replica_jump}")
+        if self.replica_rate is not None and self.replica_rate <= 0:
+            raise ValueError(f"--replica-rate must be > 0 bytes/s, got {self.replica_rate}")
         if self.persist_policy not in ("skip", "wait"):
             raise ValueError(f"--persist-policy must be skip or wait, got {self.persist_policy!r}")
         if self.fault_rank < 0:

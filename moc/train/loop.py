@@ -196,7 +196,9 @@ class Trainer:
         if cfg.ckpt_mode == "moc":
             return TwoLevelCheckpointer(self.model, self.optimizer, cfg.ckpt_dir,
                                         policy=self.policy(), persist_policy=cfg.persist_policy,
-                                        k_snapshot=cfg.k_snapshot, **common)
+                                        k_snapshot=cfg.k_snapshot, k_replica=cfg.k_replica,
+                                        replica_jump=cfg.replica_jump,
+                                        replica_rate=cfg.replica_rate, **common)
         if cfg.ckpt_mode in DCP_MODES:
             return DCPCheckpointer(self.model, self.optimizer, cfg.ckpt_dir, mode=cfg.ckpt_mode,
                                    **common)
@@ -242,6 +244,7 @@ class Trainer:
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
         self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
                           resumed_from=result.step, source=result.source,
+                          sources=result.sources,
                           recovery_s=result.recovery_s, restart=self.attempt,
                           plt=result.plt, lost_tokens=result.lost_tokens,
                           lost_per_layer=result.lost_per_layer)

@@ -421,9 +421,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         the replicas. share (`replica_host_bytes`)."""
         sizes = self.store.sizes()
         if self.replicas is not None:
-            replica = self.replicas.sizes()["replica_host_bytes"]
-            sizes["replica_host_bytes"] = replica
-            sizes["ckpt_host_bytes"] += replica
+            replica = self.replicas.sizes()
+            sizes["replica_host_bytes"] = replica["replica_host_bytes"]
+            sizes["replica_slot_bytes"] = replica["replica_bytes"]
+            sizes["ckpt_host_bytes"] += replica["replica_host_bytes"]
         return sizes
 
     # -- recovery --------------------------------------------------------------------------

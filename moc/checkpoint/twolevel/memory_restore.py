@@ -206,12 +206,17 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
         return None
     step, source_here, meta_here = restored
     sources = dist.all_gather(source_here)
-    if "storage" in sources:
-        align_expert_replicas(state, dist, sources)
+    held_keys = set(state.flatten())
+    # The step of the oldest expert weight each rank restored: replicas of an expert
+    # that came back from different copies (a complete snapshot, a partial replica,
+    # storage) are made equal to the freshest.
+    experts = [c for key, (c, _) in copies.items()
+               if key in held_keys and (parsed := parse_expert_key(key)) is not None
+               and parsed[0] == "param"]
+    align_expert_replicas(state, dist, dist.all_gather(min(experts, default=step)))
     meta = dist.broadcast(meta_here, src=next(r for r, s in enumerate(sources)
                                               if s != "storage"))
     manifest = Manifest.load(root, newest_storage) if newest_storage is not None else None
-    held_keys = set(state.flatten())
     at_copy = _at_copy(copies, metas, manifest, held_keys, tracked_kind,
                        state.spec.stems(), meta)
     # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
@@ -318,17 +323,19 @@ def _at_copy(copies: Copies, metas: dict[str, dict[str, Any]], manifest: Manifes
 
 
 @torch.no_grad()
-def align_expert_replicas(state: RankState, dist: Dist, sources: list[str]) -> None:
-    """Within each EDP group, replicas restored from storage take the expert weights of
-    the first replica restored from memory or a peer (collective over the EDP group)."""
+def align_expert_replicas(state: RankState, dist: Dist, freshness: list[int]) -> None:
+    """Within each EDP group, replicas whose expert weights came from an older copy
+    (`freshness`: per rank, the step of its oldest expert weight restored) take those of
+    the freshest replica (collective over each EDP group that needs it): replicas of an
+    expert must never diverge."""
     layout = dist.groups.layout
     if not dist.enabled or layout.edp == 1:
         return
     members = layout.edp_groups()[layout.ep_rank(dist.rank)]
-    from_memory = [r for r in members if sources[r] != "storage"]
-    if not from_memory or len(from_memory) == len(members):
+    best = max(members, key=lambda r: (freshness[r], -r))
+    if all(freshness[r] == freshness[best] for r in members):
         return
     experts = state.spec.by_name()
     for name, p in state.model.named_parameters():
         if name in experts:
-            p.copy_(dist.broadcast_edp_(p.detach().cpu().clone(), src=from_memory[0]))
+            p.copy_(dist.broadcast_edp_(p.detach().cpu().clone(), src=best))
