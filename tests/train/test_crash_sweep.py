@@ -13,10 +13,15 @@ Run with `make test-slow` (about 9 minutes on 2 cores).
 The persist process is also killed on purpose (`--fault-kind persist`): once, after
 which it is restarted and every later checkpoint is durable; and more often than it may
 be restarted, after which the job must end non-zero.
+Across 2 simulated nodes (`--nodes 2 --nproc 1`, peer replicas on, torchrun restarts
+once) a whole node is lost at a random moment: its rank and its persist process are
+SIGKILLed together and its node-local memory is wiped; the job must finish on its own,
+every step on disk must verify and equal the reference, and every loss must too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -71,6 +76,24 @@ def _rank_pid(rank: int) -> int | None:
         if f"RANK={rank}".encode() in env:
             return pid
     return None
+
+
+def _node_processes(node: int) -> tuple[list[int], Path | None]:
+    """The training processes of simulated node `node` (and their persist processes),
+    and the node's memory root."""
+    pids, shm = [], None
+    for pid in _pids("-m moc.train"):
+        try:
+            env = dict(kv.split(b"=", 1) for kv in
+                       Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"GROUP_RANK") == str(node).encode() and b"RANK" in env:
+            pids.append(pid)
+            pids += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)],
+                                                    capture_output=True, text=True).stdout.split()]
+            shm = Path(env[b"MOC_SHM_ROOT"].decode())
+    return pids, shm
 
 
 def _losses(root: Path) -> list[tuple[int, float]]:
@@ -159,3 +182,53 @@ def test_a_persist_process_killed_more_often_than_it_may_restart_fails_the_job(t
         assert any(kept.glob("rank-*/slot-*.json"))  # the snapshots, for a restart
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+NODE_KILL_POINTS = 6
+
+
+@pytest.mark.parametrize("seed", range(NODE_KILL_POINTS))
+def test_a_node_lost_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
+    rng = random.Random(1000 + seed)
+    node = seed % 2  # node 0 holds rank 0 and the commit; node 1 only its own rank
+    kill_step = rng.randint(2, STEPS - 2)
+    delay = rng.uniform(0.0, 0.3)
+    job = subprocess.Popen([*_args(tmp_path), "--nodes", "2", "--nproc", "1",
+                            "--max-restarts", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = False
+    deadline = time.monotonic() + 240
+    while job.poll() is None and time.monotonic() < deadline and not killed:
+        steps = [e["step"] for e in read_events(tmp_path / "metrics.jsonl")
+                 if e["event"] == "step"]
+        if steps and max(steps) >= kill_step:
+            time.sleep(delay)
+            pids, shm = _node_processes(node)
+            for pid in pids:  # the machine is gone: its processes and its memory
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if shm is not None:
+                for d in shm.glob("moc-*"):
+                    shutil.rmtree(d, ignore_errors=True)
+            killed = bool(pids)
+        time.sleep(0.01)
+    assert job.wait(timeout=300) == 0, (node, kill_step)
+    verify = subprocess.run([sys.executable, "-m", "moc", "verify", str(tmp_path / "ckpt")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout
+    ref_root = reference / "ckpt"
+    for step in complete_steps(tmp_path / "ckpt"):
+        got = CheckpointReader(tmp_path / "ckpt", Manifest.load(tmp_path / "ckpt", step))
+        want = CheckpointReader(ref_root, Manifest.load(ref_root, step))
+        assert got.manifest.entries.keys() == want.manifest.entries.keys()
+        for key in want.manifest.entries:
+            if not key.startswith("rng/"):
+                assert got.get(key).equal(want.get(key)), (node, kill_step, step, key)
+    ref_losses, losses = dict(_losses(reference)), _losses(tmp_path)
+    for step, loss in losses:
+        assert loss == ref_losses[step], (node, kill_step, step)
+    assert max(step for step, _ in losses) == STEPS
+    if killed:
+        (recovery,) = [e for e in read_events(tmp_path / "metrics.jsonl")
+                       if e["event"] == "recovery"] or [None]
+        assert recovery is None or recovery["lost_tokens"] in (0, None), recovery
