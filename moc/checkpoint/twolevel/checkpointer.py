@@ -52,6 +52,7 @@ checkpoints in flight (owned by the caller's thread) and the one snapshot being 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -453,7 +454,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
                                          p.ledger, p.tidy, commits_checked=True)
             self._invalidate_newer_than(report.step if report is not None else -1)
-            return report
+            if report is None:
+                return None
+            return dataclasses.replace(report, sources={
+                "storage": list(range(p.groups.world_size))})
         self._invalidate_newer_than(mem.step)
         planner.newest_slot, planner.persist_slot = mem.slot, None
         planner.snap_index = int(mem.meta.get("snap_index", -1)) + 1
