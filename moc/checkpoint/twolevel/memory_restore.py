@@ -257,17 +257,25 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
     return fetched
 
 
-def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
-                 newest_storage: int | None) -> tuple[DictReader, Copies]:
-    """A peer copy of `step`, and for the keys it does not carry (a partial replica)
-    the newest persisted manifest."""
-    out: dict[str, Any] = {}
+def _from_storage(root: Path, newest_storage: int | None
+                  ) -> tuple[dict[str, Any], Copies]:
+    """Every key of the newest persisted manifest, read only if no newer copy replaces
+    it: what a memory or peer copy lacks comes from there."""
+    tensors: dict[str, Any] = {}
     copies: Copies = {}
     if newest_storage is not None:
         reader = CheckpointReader(root, Manifest.load(root, newest_storage))
         for key, entry in reader.manifest.entries.items():
-            out[key] = LazyKey(reader, key)
+            tensors[key] = LazyKey(reader, key)
             copies[key] = (entry.step, "storage")
+    return tensors, copies
+
+
+def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
+                 newest_storage: int | None) -> tuple[DictReader, Copies]:
+    """A peer copy of `step`, and for the keys it does not carry (a partial replica)
+    the newest persisted manifest."""
+    out, copies = _from_storage(root, newest_storage)
     for key, t in tensors.items():
         out[key], copies[key] = t, (step, "peer")
     return DictReader(out), copies
@@ -278,13 +286,7 @@ def _memory_reader(store: SnapshotStore, root: Path, step: int,
                    ) -> tuple[DictReader, Copies]:
     """Every key at its newest copy no newer than `step`: the snapshot of `step`, older
     snapshots, the newest persisted manifest."""
-    tensors: dict[str, Any] = {}
-    copies: Copies = {}
-    if newest_storage is not None:
-        reader = CheckpointReader(root, Manifest.load(root, newest_storage))
-        for key, entry in reader.manifest.entries.items():
-            tensors[key] = LazyKey(reader, key)
-            copies[key] = (entry.step, "storage")
+    tensors, copies = _from_storage(root, newest_storage)
     for slot, header in sorted(headers.items(), key=lambda kv: kv[1].step):
         if header.step > step:
             continue
