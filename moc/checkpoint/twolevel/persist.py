@@ -381,6 +381,9 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 req = pending.pop(0)
                 ready.pop(req.step, None)
                 result = Done(req.step, False, failed.pop(req.step))
+                if req.node != 0:  # node 0's process waits for this node's part
+                    _give_up(open_root(root), req, result.error or "failed",
+                             lambda step=req.step: step in abandoned or not _alive(parent_pid))
             elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
                 req = pending.pop(0)
                 # A URL becomes this process's own client, from its own environment.
@@ -436,6 +439,15 @@ def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid
                 write_part(root, req.step, req.node, req.nonce, error=error,
                            keep_existing=True)
         return Done(req.step, False, error, time.perf_counter() - t0)
+
+
+def _give_up(root: Path, req: Persist, error: str, cancelled: Callable[[], bool]) -> None:
+    """Node j > 0, when one of its ranks' snapshots failed: tell node 0, which waits for
+    this node's part, with a failed part, once node 0 has begun the step (a part written
+    before would be discarded with the directory)."""
+    with contextlib.suppress(Exception):  # else node 0 gives up at its timeout
+        wait_begun(root, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+        write_part(root, req.step, req.node, req.nonce, error=error, keep_existing=True)
 
 
 def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
