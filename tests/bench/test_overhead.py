@@ -57,3 +57,22 @@ def test_publish_prints_the_tables_and_writes_what_was_asked(tmp_path, capsys):
     assert drawn == [tmp_path / "r.png"]
     publish("t", [("a", "b")], "", {}, None, None, drawn.append)  # nothing asked
     assert drawn == [tmp_path / "r.png"]
+
+
+def test_across_nodes_the_table_gains_the_peer_tier_and_moc_peers_needs_nodes():
+    import pytest
+
+    from moc.bench.overhead import main
+
+    result = _result()
+    result["strategies"]["moc-peers"] = _figures(
+        0.006, 1.06, replica_bytes_per_rank=2.5e7, replica_s=0.4, restore_peer_s=0.2)
+    lines = markdown(result).splitlines()
+    assert lines[0].endswith("replica/ckpt/rank | replica time | restore peer |")
+    peers = next(line for line in lines if line.startswith("| moc-peers |"))
+    assert peers.endswith("| 25.0 MB | 0.4000 s | 0.2000 s |")
+    moc = next(line for line in lines if line.startswith("| moc |"))
+    assert moc.endswith("| - | - | - |")  # measured without replicas: none to show
+    assert "replica" not in markdown(_result())  # one node: no peer columns
+    with pytest.raises(SystemExit):
+        main(["--strategies", "moc-peers"])  # one node has no peer to replicate to
