@@ -53,8 +53,8 @@ from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.format import tensor_bytes
 from moc.checkpoint.twolevel.sizing import snapshot_experts
 from moc.checkpoint.twolevel.slots import (
-    _ALIGN,
-    _DTYPE_NAMES,
+    ALIGN,
+    DTYPE_NAMES,
     SlotEntry,
     SnapshotHeader,
     SnapshotStore,
@@ -170,7 +170,7 @@ def replica_keys(header: SnapshotHeader, stems: dict[str, int], n_experts: int,
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=_DTYPE_NAMES[dtype]).element_size()
+    return math.prod(shape) * torch.empty((), dtype=DTYPE_NAMES[dtype]).element_size()
 
 
 def _compact(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[list[int], int]:
@@ -180,7 +180,7 @@ def _compact(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[list
     for _, dtype, shape, _ in entries:
         offsets.append(size)
         n = _nbytes(dtype, shape)
-        size += n + (-n % _ALIGN)
+        size += n + (-n % ALIGN)
     return offsets, size
 
 
@@ -289,7 +289,7 @@ class _Incoming:
             out.step, out.meta = int(d["step"]), d["meta"]
             entries = []
             for key, dtype, shape, c in d["entries"]:
-                if not isinstance(key, str) or dtype not in _DTYPE_NAMES or not all(
+                if not isinstance(key, str) or dtype not in DTYPE_NAMES or not all(
                         isinstance(n, int) and n >= 0 for n in shape):
                     raise ValueError(f"bad entry {key!r}: {dtype} {shape}")
                 entries.append((key, dtype, tuple(shape), int(c)))
@@ -527,5 +527,5 @@ def receive_replica(group: dist.ProcessGroup, src: int
     tensors = {}
     for key, e in header.entries.items():
         raw = held[0][e.offset:e.offset + _nbytes(e.dtype, e.shape)]
-        tensors[key] = raw.view(_DTYPE_NAMES[e.dtype]).view(e.shape)
+        tensors[key] = raw.view(DTYPE_NAMES[e.dtype]).view(e.shape)
     return header, tensors

@@ -53,9 +53,9 @@ def shm_root() -> Path:
 N_SLOTS = 3
 """Snapshot, persist and recovery roles rotate over three slots (the paper's triple
 buffer): a complete snapshot always exists while the next one is being taken."""
-_ALIGN = 8
-
-_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
+ALIGN = 8
+"""Every tensor of a slot starts at a multiple of this (snapshots and replicas alike)."""
+DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
 
@@ -157,7 +157,7 @@ def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
     for key, t in tensors.items():
         offsets[key] = size
         n = t.numel() * t.element_size()
-        size += n + (-n % _ALIGN)
+        size += n + (-n % ALIGN)
     return offsets, size
 
 
@@ -351,7 +351,7 @@ class SnapshotStore:
         buf = self._map(slot, size)
         out = {}
         for key, e in header.entries.items():
-            dtype = _DTYPE_NAMES[e.dtype]
+            dtype = DTYPE_NAMES[e.dtype]
             n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
             raw = buf[e.offset:e.offset + n]
             if verify and zlib.crc32(tensor_bytes(raw)) != e.crc32:
