@@ -1,0 +1,110 @@
+"""Recovery across nodes when a peer copy is bad: 2 real ranks, each its own simulated
+node (LOCAL_WORLD_SIZE=1 and a memory root of its own, as `moc train --nodes 2` gives
+each node). Node 1 is lost after step 4, and the replica of rank 1 that node 0 keeps
+has a flipped byte: the restore must not use it, must say so, and must still restore
+rank 0 from its memory rather than fall back to storage for every rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.slots import default_job_id
+from moc.parallel import clip_grad_norm_, sync_gradients
+from tests.distributed import build_sharded, run_ranks
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+STEPS = 4
+
+
+def _as_node(rank: int, base: str) -> None:
+    """This rank is node `rank` of 2: its own memory root, one rank per node."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["MOC_SHM_ROOT"] = str(Path(base) / f"node-{rank}")
+
+
+def _train(rank: int, world: int, root: str, base: str) -> dict[str, torch.Tensor]:
+    """Train STEPS steps, a checkpoint each (persisted with K = 1), then crash: the
+    processes end without `close`, their snapshots and replicas stay in memory."""
+    _as_node(rank, base)
+    groups, model, opt = build_sharded(2)  # each expert on one rank only
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    for step in range(1, STEPS + 1):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(
+            10 * step + rank))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        clip_grad_norm_(model, groups, 1.0)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+    ckpt.flush()  # the persist of step STEPS and the replicas of its snapshot are done
+    ckpt.persist.stop()  # what a crash leaves: no close, memory kept
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _restore(rank: int, world: int, root: str, base: str) -> dict:
+    _as_node(rank, base)
+    warnings = _Warnings()
+    logging.getLogger("moc").addHandler(warnings)
+    groups, model, opt = build_sharded(2)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1))
+    report = ckpt.restore()
+    ckpt.close()
+    return {"step": report.step, "source": report.source, "sources": report.sources,
+            "lost": report.lost_tokens, "warnings": warnings.lines,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _flip_newest_replica(base: Path, root: str, src: int) -> Path:
+    """Flip one byte of the newest replica of rank `src` that node 0 keeps."""
+    rdir = base / "node-0" / f"moc-{default_job_id(root)}" / f"replica-{src:05d}"
+    slots = sorted(rdir.glob("slot-*.json"), key=lambda p: p.stat().st_mtime)
+    assert slots, f"no replica of rank {src} in {rdir}"
+    data = slots[-1].with_suffix(".bin")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(raw)
+    return data
+
+
+def test_a_corrupt_peer_replica_is_refused_and_only_its_rank_goes_to_storage(tmp_path):
+    root, base = str(tmp_path / "ckpt"), tmp_path / "mem"
+    base.mkdir(mode=0o700)
+    saved = run_ranks(_train, 2, root, str(base))
+    shutil.rmtree(base / "node-1")  # node 1 lost: its memory with it
+    (base / "node-1").mkdir(mode=0o700)  # a replaced machine: empty memory
+    bad = _flip_newest_replica(base, root, src=1)
+    results = run_ranks(_restore, 2, root, str(base))
+    for res in results:
+        # Rank 0's own snapshot of step 4 is good: it is used; rank 1's only copy in
+        # memory is bad, so rank 1 alone comes from storage (step 4, K_persist = 1).
+        assert (res["step"], res["source"]) == (STEPS, "mixed")
+        assert res["sources"] == {"memory": [0], "storage": [1]}
+        assert res["lost"] > 0  # rank 1's experts not persisted at step 4 are older
+    assert all(torch.equal(saved[0][n], p) for n, p in results[0]["params"].items())
+    # The holder says which copy it refused and why; rank 1 says where it went instead.
+    said = "\n".join(results[0]["warnings"] + results[1]["warnings"])
+    assert str(bad.with_suffix("")) in said and "checksum mismatch" in said, said
+    assert "storage" in said, said
