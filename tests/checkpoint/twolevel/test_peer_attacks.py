@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.slots import default_job_id
 from moc.parallel import clip_grad_norm_, sync_gradients
@@ -108,3 +112,48 @@ def test_a_corrupt_peer_replica_is_refused_and_only_its_rank_goes_to_storage(tmp
     said = "\n".join(results[0]["warnings"] + results[1]["warnings"])
     assert str(bad.with_suffix("")) in said and "checksum mismatch" in said, said
     assert "storage" in said, said
+
+
+def _kill_node_1s_persist(rank: int, world: int, root: str, base: str) -> dict:
+    """Node 1's persist process is slow (MOC_PERSIST_STALL_S) and SIGKILLed in the middle
+    of its part of step 2, while node 0's waits for that part to commit."""
+    _as_node(rank, base)
+    if rank == 1:
+        os.environ["MOC_PERSIST_STALL_S"] = "2"
+    groups, model, opt = build_sharded(2)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    results = []
+    for step in range(1, STEPS + 1):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        if step == 2 and rank == 1:
+            ckpt.wait_for_snapshot()  # its Ready is sent: the process is in its stall
+            time.sleep(0.5)
+            os.kill(ckpt.persist.process.pid, signal.SIGKILL)
+        results += ckpt.drain_completed()
+    ckpt.close()
+    results += ckpt.drain_completed()
+    return {"errors": {r.step: r.error for r in results}, "generation": ckpt.persist.generation}
+
+
+def test_node_1s_persist_killed_mid_part_fails_that_step_only(tmp_path):
+    root, base = str(tmp_path / "ckpt"), tmp_path / "mem"
+    base.mkdir(mode=0o700)
+    rank0, rank1 = run_ranks(_kill_node_1s_persist, 2, root, str(base))
+    # Node 0's process stopped waiting for the part that never came (node 1's leader
+    # reported it lost); the step failed, and the next ones committed across both nodes.
+    assert rank0["errors"][2] is not None and "persist" in rank0["errors"][2]
+    assert all(rank0["errors"][s] is None for s in (1, 3, 4)), rank0["errors"]
+    assert rank1["generation"] == 1 and rank0["generation"] == 0
+    steps = complete_steps(Path(root))
+    assert 2 not in steps and {1, 3, 4} <= set(steps)
+    manifest = Manifest.load(Path(root), steps[-1])
+    assert sorted(manifest.files) == ["rank-00000.safetensors", "rank-00001.safetensors"]
