@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -157,3 +158,47 @@ def test_node_1s_persist_killed_mid_part_fails_that_step_only(tmp_path):
     assert 2 not in steps and {1, 3, 4} <= set(steps)
     manifest = Manifest.load(Path(root), steps[-1])
     assert sorted(manifest.files) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+def _kill_node_1s_persist_before_node_0_begins(rank: int, world: int, root: str,
+                                                base: str) -> dict:
+    """Node 0's persist process is slow to begin step 2 (MOC_PERSIST_STALL_S: a slow
+    disk), and node 1's is SIGKILLed while it waits for that begin, a second after the
+    step's snapshot: by then node 1's leader has passed its check of the process at the
+    plan of step 4 and waits in that plan's collective, for rank 0, which waits for node
+    0's process (persist_policy "wait"), which waits for node 1's part."""
+    _as_node(rank, base)
+    if rank == 0:
+        os.environ["MOC_PERSIST_STALL_S"] = "3"
+    groups, model, opt = build_sharded(2)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=2, persist_policy="wait")
+    results = []
+    for step in range(1, STEPS + 1):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        if step == 2 and rank == 1:
+            threading.Timer(1.0, os.kill, (ckpt.persist.process.pid, signal.SIGKILL)).start()
+        results += ckpt.drain_completed()
+    ckpt.close()
+    results += ckpt.drain_completed()
+    return {"errors": {r.step: r.error for r in results}}
+
+
+def test_node_1s_persist_dying_while_rank_0_waits_for_the_commit_ends_the_wait(tmp_path):
+    root, base = str(tmp_path / "ckpt"), tmp_path / "mem"
+    base.mkdir(mode=0o700)
+    # Without the lost part reaching node 0, its process waits PERSIST_TIMEOUT_S (600 s)
+    # and rank 0 with it (persist_policy "wait"): the ranks are then killed after 60 s.
+    rank0, _ = run_ranks(_kill_node_1s_persist_before_node_0_begins, 2, root, str(base),
+                         timeout=60)
+    assert rank0["errors"][2] is not None and "persist" in rank0["errors"][2]
+    assert rank0["errors"][4] is None, rank0["errors"]
+    assert 4 in complete_steps(Path(root)) and 2 not in complete_steps(Path(root))
