@@ -12,9 +12,10 @@ beside the files: storage is the one thing every node shares, and the handshake 
 no connection between nodes' processes. `begin_step` discards an abandoned directory, so
 node j writes only after node 0's BEGIN: a file written before would be discarded with
 it (and in an object store, a re-committed step's old objects would be overwritten
-while its old manifest still names them). The `nonce` is the job's (rank 0's, shared at
-start), so a record left by an earlier job in a step directory it abandoned is never
-taken for this job's. The records are removed before the manifest is written: a
+while its old manifest still names them). The `nonce` is the request's (rank 0's job
+nonce, shared at start, and the count of persist requests so far), so a record left by
+an earlier job, or by an earlier attempt at the same step, in a directory it abandoned
+is never taken for this request's. The records are removed before the manifest is written: a
 committed step holds only what its manifest names.
 
 A part that never comes (node j's process died) ends the wait: its leader writes the

@@ -1,8 +1,9 @@
-"""Recovery across nodes when a peer copy is bad: 2 real ranks, each its own simulated
+"""Attacks on two-level checkpointing across nodes: 2 real ranks, each its own simulated
 node (LOCAL_WORLD_SIZE=1 and a memory root of its own, as `moc train --nodes 2` gives
-each node). Node 1 is lost after step 4, and the replica of rank 1 that node 0 keeps
-has a flipped byte: the restore must not use it, must say so, and must still restore
-rank 0 from its memory rather than fall back to storage for every rank."""
+each node). A corrupt peer replica of a lost node's rank is refused, said so, and sends
+only that rank to storage; node 1's persist process killed in the middle of its part,
+or while rank 0 waits for the commit, fails that step only, and never stalls the job
+for the persist timeout (docs/DECISIONS.md, "Issue 14: attacks")."""
 
 from __future__ import annotations
 
