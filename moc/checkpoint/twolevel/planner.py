@@ -261,10 +261,12 @@ class SnapshotPlanner:
                                  self.per_node, node, self.n_nodes, nonce,
                                  self.groups.world_size))
         if node != 0:
-            process = self.client.process
+            # Settled once the step is no longer in flight, or a newer request was made
+            # (a new attempt at the same step has its own watcher).
+            process, n = self.client.process, self._persists
             watch_part(self.config.root, step, node, nonce, PERSIST_TIMEOUT_S,
                        gone=lambda: process is None or process.poll() is not None,
-                       settled=lambda: self.in_flight != step)
+                       settled=lambda: self.in_flight != step or self._persists != n)
 
     def take_error(self) -> str | None:
         """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last

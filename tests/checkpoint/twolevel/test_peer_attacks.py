@@ -140,6 +140,7 @@ def _kill_node_1s_persist(rank: int, world: int, root: str, base: str) -> dict:
             ckpt.wait_for_snapshot()  # its Ready is sent: the process is in its stall
             time.sleep(0.5)
             os.kill(ckpt.persist.process.pid, signal.SIGKILL)
+            ckpt.persist.process.wait()  # gone before the next plan checks it
         results += ckpt.drain_completed()
     ckpt.close()
     results += ckpt.drain_completed()
