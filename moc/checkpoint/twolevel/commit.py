@@ -12,20 +12,24 @@ beside the files: storage is the one thing every node shares, and the handshake 
 no connection between nodes' processes. `begin_step` discards an abandoned directory, so
 node j writes only after node 0's BEGIN: a file written before would be discarded with
 it (and in an object store, a re-committed step's old objects would be overwritten
-while its old manifest still names them). The `nonce` is the job's (rank 0's, shared at
-start), so a record left by an earlier job in a step directory it abandoned is never
-taken for this job's. The records are removed before the manifest is written: a
+while its old manifest still names them). The `nonce` is the request's (rank 0's job
+nonce, shared at start, and the count of persist requests so far), so a record left by
+an earlier job, or by an earlier attempt at the same step, in a directory it abandoned
+is never taken for this request's. The records are removed before the manifest is written: a
 committed step holds only what its manifest names.
 
 A part that never comes (node j's process died) ends the wait: its leader writes the
-failed PART itself when it finds the process gone (`write_part`), and every wait also
-stops when the persist is abandoned (`cancelled`) or its parent is gone.
+failed PART itself when its process dies with the step in flight (`watch_part`, once
+node 0's BEGIN is there), and every wait also stops when the persist is abandoned
+(`cancelled`) or its parent is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +118,36 @@ def write_part(root: Path | ObjectPath, step: int, node: int, nonce: str, *,
                     for k, e in (entries or {}).items()},
         "files": files or {}, "held": held or [],
         "bytes_per_rank": {str(r): n for r, n in (bytes_per_rank or {}).items()}})
+
+
+def watch_part(root: Path | ObjectPath, step: int, node: int, nonce: str, timeout_s: float,
+               gone: Callable[[], bool], settled: Callable[[], bool]) -> threading.Thread:
+    """Node j's leader, from the moment it asks its persist process for `step`: when the
+    process dies (`gone()`) before the step's result is known (`settled()`), write the
+    failed part in its place, so that node 0's wait for it ends.
+
+    A thread, not a check at the next plan: with persist_policy "wait", a final save,
+    flush or close, rank 0 waits for node 0's process before the plan's collective, so
+    node j's leader, already in that collective, would never get to check; node 0
+    would wait `timeout_s` for the part. The part is written only after node 0's BEGIN
+    (a part written before it would be discarded with the directory by `begin_step`),
+    and a part already there stays (`keep_existing`). The thread, started; it ends
+    when the step is settled, its part written, or after `timeout_s`."""
+
+    def run() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not settled() and time.monotonic() < deadline:
+            if gone():
+                with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
+                    wait_begun(root, step, nonce, deadline - time.monotonic(), settled)
+                    write_part(root, step, node, nonce, error=error, keep_existing=True)
+                return
+            time.sleep(POLL_S)
+
+    error = f"node {node}'s persist process exited while it persisted step {step}"
+    thread = threading.Thread(target=run, daemon=True, name=f"moc-watch-part-{step}")
+    thread.start()
+    return thread
 
 
 def gather_parts(root: Path | ObjectPath, step: int, nodes: range, nonce: str,

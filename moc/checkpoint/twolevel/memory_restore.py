@@ -26,6 +26,7 @@ the weights of one restored from memory, so replicas never diverge.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.replica import ReplicaStore, receive_replica, send_replica
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore, job_dir
+
+log = logging.getLogger(__name__)
 
 Copies = dict[str, tuple[int, str]]
 """Per key: the step of the copy restored and where it came from ("slot-<i>", "peer",
@@ -185,10 +188,15 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
             reader, copies = _memory_reader(store, root, step, headers, newest_storage)
             state.load(reader)
             return step, "memory", headers[mine[step]].meta
-        if plan[dist.rank] == "peer":
-            if fetched is None:
+        if plan[dist.rank] == "peer" and fetched is None:
+            if step not in storage:
                 raise CheckpointError(f"the peer copy of step {step} of rank {dist.rank} did "
-                                      "not verify")
+                                      "not verify, and storage does not hold that step")
+            # The other ranks still restore their copies of this step; this one alone
+            # takes storage's (as a rank with no copy in memory would).
+            log.warning("rank %d: the peer copy of step %d did not verify (its holder says "
+                        "why); restoring this rank from storage instead", dist.rank, step)
+        elif plan[dist.rank] == "peer":
             header, tensors = fetched
             metas["peer"] = header.meta
             reader, copies = _peer_reader(tensors, root, step, newest_storage)
@@ -206,6 +214,8 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
         return None
     step, source_here, meta_here = restored
     sources = dist.all_gather(source_here)
+    if all(s == "storage" for s in sources):
+        return None  # every peer copy failed: the caller restores from storage alone
     held_keys = set(state.flatten())
     # The step of the oldest expert weight each rank restored: replicas of an expert
     # that came back from different copies (a complete snapshot, a partial replica,
@@ -249,9 +259,12 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
         if me == holder:
             store = _stores(peers.job, kind, rank)
             header = store.headers().get(slot)
-            send_replica(peers.group, rank, store, slot,
-                         header if header is not None and header.step == step else None)
+            sent = send_replica(peers.group, rank, store, slot,
+                                header if header is not None and header.step == step else None)
             store.release()
+            if sent.error is not None:
+                log.warning("rank %d's copy of step %d for rank %d: %s", me, step, rank,
+                            sent.error)
         elif me == rank:
             fetched = receive_replica(peers.group, holder)
     return fetched

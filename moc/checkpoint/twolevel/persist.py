@@ -343,6 +343,10 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
             if isinstance(msg, Abandon):  # read by a persist waiting on other nodes
                 abandoned.add(msg.step)
                 continue
+            if isinstance(msg, Persist):
+                # A new attempt at a step given up before (`close` persists the newest
+                # snapshot again): the Abandon, sent before it, was for the old one.
+                abandoned.discard(msg.step)
             inbox.put(msg)
 
     def accept() -> None:

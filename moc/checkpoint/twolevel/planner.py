@@ -20,7 +20,6 @@ the next persist writes the experts the lost one would have.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import queue
 import threading
@@ -39,10 +38,18 @@ from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.twolevel.commit import write_part
+from moc.checkpoint.twolevel.commit import watch_part
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
-from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Abandon, Done, Failed, Persist, Ready
+from moc.checkpoint.twolevel.protocol import (
+    PERSIST_GONE,
+    PERSIST_TIMEOUT_S,
+    Abandon,
+    Done,
+    Failed,
+    Persist,
+    Ready,
+)
 from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
 from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.worker import SnapshotJob
@@ -131,6 +138,7 @@ class SnapshotPlanner:
         self.reports: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._unshared: list[Done] = []  # rank 0: results not yet shared
         self._error: str | None = None  # rank 0: on_commit's error, not yet shared
+        self._persists = 0  # persist requests so far (the same count on every rank)
 
     # -- persist results ---------------------------------------------------------------------
 
@@ -216,14 +224,13 @@ class SnapshotPlanner:
         """A node's leader, before an exchange: notice a dead persist process even when
         nothing is in flight (an idle one can die too), report the persist it took with
         it as failed, and start a new one (bounded: `PersistClient.restart`). Another
-        node than 0 reports it on storage, where node 0's process waits for its part."""
+        node than 0 reports it on storage, where node 0's process waits for its part
+        (`watch_part`)."""
         if self.client.check():
             return
-        if self.in_flight is not None and self.groups.rank != 0:
-            with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
-                write_part(self.config.root, self.in_flight, self.groups.rank // self.per_node,
-                           self.config.nonce, error=PERSIST_GONE, keep_existing=True)
-        elif self.in_flight is not None:
+        # Another node's leader has nothing to do here for the step in flight: the
+        # watcher started with its request (`_send_persist`) reports the lost part.
+        if self.in_flight is not None and self.groups.rank == 0:
             lost = Done(self.in_flight, False, PERSIST_GONE)
             self._unshared.append(lost)
             self.reports.put(lost)
@@ -241,12 +248,25 @@ class SnapshotPlanner:
                       template: Callable[[], dict[str, Any]]) -> None:
         """A node's leader: ask its persist process to persist `step`; node 0's request
         carries the manifest's template (only node 0 commits)."""
+        # Every rank counts the requests (they are collective decisions): the job's nonce
+        # and the count mark this request's commit records, so that the records of an
+        # earlier attempt at the same step (failed, then persisted again by `close`, or
+        # after a restore) are never taken for this one's.
+        self._persists += 1
         if not self.client.leader:
             return
         node = self.groups.rank // self.per_node
+        nonce = f"{self.config.nonce}-{self._persists}"
         self.client.send(Persist(step, prev_step, template() if node == 0 else None,
-                                 self.per_node, node, self.n_nodes, self.config.nonce,
+                                 self.per_node, node, self.n_nodes, nonce,
                                  self.groups.world_size))
+        if node != 0:
+            # Settled once the step is no longer in flight, or a newer request was made
+            # (a new attempt at the same step has its own watcher).
+            process, n = self.client.process, self._persists
+            watch_part(self.config.root, step, node, nonce, PERSIST_TIMEOUT_S,
+                       gone=lambda: process is None or process.poll() is not None,
+                       settled=lambda: self.in_flight != step or self._persists != n)
 
     def take_error(self) -> str | None:
         """Rank 0: an error of `on_commit` not shared yet (for `close`, after the last
