@@ -90,7 +90,14 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
 def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> None:
     """This rank's part of losing its machine: the rank holding the node's persist process
     (its local rank 0) SIGKILLs it first, then every rank wipes its node-local job
-    directory (under its own MOC_SHM_ROOT) and SIGKILLs itself."""
+    directory (under its own MOC_SHM_ROOT) and SIGKILLs itself.
+
+    The node is lost between checkpoints, as `--fault-at` means: after its ranks' peer
+    replica rounds in flight are over (in a real run the interval is far longer than a
+    round; on a loaded test machine a round can outlast a step). The crash sweep loses
+    nodes at random moments instead, mid-round included."""
+    if hasattr(checkpointer, "wait_for_replicas"):
+        checkpointer.wait_for_replicas()
     process = getattr(getattr(checkpointer, "persist", None), "process", None)
     if process is not None and process.poll() is None:
         os.kill(process.pid, signal.SIGKILL)

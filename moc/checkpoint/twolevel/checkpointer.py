@@ -411,10 +411,14 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Wait for the snapshot and the persist in flight (collective); their results
         are then in `drain_completed()`."""
         self.wait_for_snapshot()
-        # The replica rounds too: a restore's transfers use the same process group.
-        wait_all([r.replica for r in self._in_flight.values() if r.replica is not None])
+        self.wait_for_replicas()  # a restore's transfers use the same process group
         self.planner.share(block=True)
         self._raise_shared_error()
+
+    def wait_for_replicas(self) -> None:
+        """Block until this rank's replica rounds in flight are over. Local (no
+        collective): the snapshot thread finishes them with its peers on its own."""
+        wait_all([r.replica for r in self._in_flight.values() if r.replica is not None])
 
     def host_memory(self) -> dict[str, int]:
         """Host memory this rank holds for checkpoints: its own snapshot slots and the

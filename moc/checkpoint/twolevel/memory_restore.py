@@ -258,7 +258,10 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
         holder, kind, slot = found
         if me == holder:
             store = _stores(peers.job, kind, rank)
-            header = store.headers().get(slot)
+            try:
+                header = store.headers().get(slot)
+            except CheckpointError:  # not a directory it trusts now: a marker, no hang
+                header = None
             sent = send_replica(peers.group, rank, store, slot,
                                 header if header is not None and header.step == step else None)
             store.release()
