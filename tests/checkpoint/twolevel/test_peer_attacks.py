@@ -26,7 +26,8 @@ from moc.checkpoint.twolevel.slots import default_job_id
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
 
-pytestmark = pytest.mark.integration  # real processes: see README, Tests
+# Real 2-node runs (about 20 s each): the slow tier, beside the crash sweep.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 4
 
