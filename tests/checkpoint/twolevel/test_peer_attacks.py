@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,29 @@ def _as_node(rank: int, base: str) -> None:
     os.environ["MOC_SHM_ROOT"] = str(Path(base) / f"node-{rank}")
 
 
+def _steps(model, opt, groups, ckpt: TwoLevelCheckpointer, *,
+           seed: Callable[[int], int] = lambda step: step, clip: bool = False,
+           after: Callable[[int], None] = lambda step: None) -> list:
+    """STEPS steps of the contract's loop, a checkpoint at each `interval`; `after(step)`
+    right after each save (where an attack strikes). The results drained meanwhile."""
+    results = []
+    for step in range(1, STEPS + 1):
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed(step)))
+        out = model(idx, idx)
+        out.loss.backward()
+        sync_gradients(model, groups)
+        if clip:
+            clip_grad_norm_(model, groups, 1.0)
+        ckpt.wait_for_snapshot()
+        opt.step()
+        model.zero_grad()
+        ckpt.record_routing(out.tokens_per_expert)
+        ckpt.maybe_save(step, {"step": step})
+        after(step)
+        results += ckpt.drain_completed()
+    return results
+
+
 def _train(rank: int, world: int, root: str, base: str) -> dict[str, torch.Tensor]:
     """Train STEPS steps, a checkpoint each (persisted with K = 1), then crash: the
     processes end without `close`, their snapshots and replicas stay in memory."""
@@ -45,18 +69,7 @@ def _train(rank: int, world: int, root: str, base: str) -> dict[str, torch.Tenso
     groups, model, opt = build_sharded(2)  # each expert on one rank only
     ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
                                 interval=1, persist_policy="wait")
-    for step in range(1, STEPS + 1):
-        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(
-            10 * step + rank))
-        out = model(idx, idx)
-        out.loss.backward()
-        sync_gradients(model, groups)
-        clip_grad_norm_(model, groups, 1.0)
-        ckpt.wait_for_snapshot()
-        opt.step()
-        model.zero_grad()
-        ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step})
+    _steps(model, opt, groups, ckpt, seed=lambda step: 10 * step + rank, clip=True)
     ckpt.flush()  # the persist of step STEPS and the replicas of its snapshot are done
     ckpt.persist.stop()  # what a crash leaves: no close, memory kept
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -126,23 +139,15 @@ def _kill_node_1s_persist(rank: int, world: int, root: str, base: str) -> dict:
     groups, model, opt = build_sharded(2)
     ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
                                 interval=1, persist_policy="wait")
-    results = []
-    for step in range(1, STEPS + 1):
-        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
-        out = model(idx, idx)
-        out.loss.backward()
-        sync_gradients(model, groups)
-        ckpt.wait_for_snapshot()
-        opt.step()
-        model.zero_grad()
-        ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step})
+
+    def after(step: int) -> None:
         if step == 2 and rank == 1:
             ckpt.wait_for_snapshot()  # its Ready is sent: the process is in its stall
             time.sleep(0.5)
             os.kill(ckpt.persist.process.pid, signal.SIGKILL)
             ckpt.persist.process.wait()  # gone before the next plan checks it
-        results += ckpt.drain_completed()
+
+    results = _steps(model, opt, groups, ckpt, after=after)
     ckpt.close()
     results += ckpt.drain_completed()
     return {"errors": {r.step: r.error for r in results}, "generation": ckpt.persist.generation}
@@ -176,20 +181,12 @@ def _kill_node_1s_persist_before_node_0_begins(rank: int, world: int, root: str,
     groups, model, opt = build_sharded(2)
     ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
                                 interval=2, persist_policy="wait")
-    results = []
-    for step in range(1, STEPS + 1):
-        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
-        out = model(idx, idx)
-        out.loss.backward()
-        sync_gradients(model, groups)
-        ckpt.wait_for_snapshot()
-        opt.step()
-        model.zero_grad()
-        ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step})
+
+    def after(step: int) -> None:
         if step == 2 and rank == 1:
             threading.Timer(1.0, os.kill, (ckpt.persist.process.pid, signal.SIGKILL)).start()
-        results += ckpt.drain_completed()
+
+    results = _steps(model, opt, groups, ckpt, after=after)
     ckpt.close()
     results += ckpt.drain_completed()
     return {"errors": {r.step: r.error for r in results}}
