@@ -101,23 +101,15 @@ def parse_k(value: str | None) -> int | None:
         raise ValueError(f"--k-persist must be an integer or 'all', got {value!r}") from None
 
 
-def _parse_k_snapshot(value: str) -> int | str:
-    if value in ("all", "auto"):
+def _int_or(value: str, flag: str, words: tuple[str, ...]) -> int | str:
+    """`value` as an integer, or one of `words` as it is (--k-snapshot, --k-replica)."""
+    if value in words:
         return value
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"--k-snapshot must be an integer, 'all' or 'auto', got {value!r}"
-                         ) from None
-
-
-def _parse_k_replica(value: str) -> int | str:
-    if value in ("all", "none"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"--k-replica must be an integer, 'all' or 'none', got {value!r}"
+        allowed = ", ".join(f"'{w}'" for w in words)
+        raise ValueError(f"{flag} must be an integer or one of {allowed}, got {value!r}"
                          ) from None
 
 
@@ -130,8 +122,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,
         plt_threshold=args.plt_threshold, keep_last=args.keep_last, shard=not args.no_shard,
         persist_policy=args.persist_policy, fault_kind=args.fault_kind,
-        k_snapshot=_parse_k_snapshot(args.k_snapshot), progress=not args.no_progress,
-        k_replica=_parse_k_replica(args.k_replica), replica_jump=args.replica_jump,
+        k_snapshot=_int_or(args.k_snapshot, "--k-snapshot", ("all", "auto")),
+        progress=not args.no_progress,
+        k_replica=_int_or(args.k_replica, "--k-replica", ("all", "none")),
+        replica_jump=args.replica_jump,
         replica_rate=args.replica_rate, fault_node=args.fault_node,
         device=args.device or default_device(_ranks_here(args)))
 
