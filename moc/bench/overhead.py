@@ -22,6 +22,7 @@ bandwidth with fsync and the host's memcpy bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import os
 import statistics
@@ -107,6 +108,20 @@ def disk_read_bandwidth(directory: Path, nbytes: int = 256 << 20) -> float:
     return offset / seconds
 
 
+def drop_page_cache(root: Path) -> None:
+    """Ask the kernel to forget the cached pages of every file under `root` (fsynced
+    files' pages are clean, so it can): the next read of them comes from the disk.
+    posix_fadvise DONTNEED needs no privilege, unlike /proc/sys/vm/drop_caches."""
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -147,7 +162,9 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     for r in recoveries:
         restore[r["source"]] = r["recovery_s"]
     if name.startswith("moc"):
-        # The job finished and removed its snapshots: a new start reads storage.
+        # The job finished and removed its snapshots: a new start reads storage, from
+        # the disk rather than the page cache.
+        drop_page_cache(workdir / "ckpt")
         before = len(recoveries)
         more = [e for e in train_run([*common, *STRATEGIES[name]], workdir)
                 if e["event"] == "recovery"][before:]
@@ -159,6 +176,12 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     # the chain's first (complete) persist is written; what a long run pays per interval.
     steady = [t for s, t in step_times.items() if s > WARMUP_CHECKPOINTS * interval]
     stalls = [e["stall_s"] for e in ckpts]
+    # Rank 0's process CPU per step (every thread: training, snapshot, collectives), and
+    # each checkpoint's own accounting: rank 0's snapshot thread, its node's persist.
+    cpu = [e.get("cpu_s") for e in first_attempt if e["event"] == "step"]
+    steady_cpu = [b - a for i, (a, b) in enumerate(itertools.pairwise(cpu), 2)
+                  if a is not None and b is not None and i > WARMUP_CHECKPOINTS * interval]
+    steady_ckpts = [e for e in ckpts if e["step"] > WARMUP_CHECKPOINTS * interval]
     persisted = [(e, e["stall_s"] if name in SYNCHRONOUS else e.get("persist_s"))
                  for e in ckpts]
     persist = [t for _, t in persisted if t is not None]
@@ -188,6 +211,13 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "replica_s": (statistics.median(times)
                       if (times := [e["replica_s"] for e in ckpts
                                     if e.get("replica_s") is not None]) else None),
+        "cpu_per_step_s": statistics.mean(steady_cpu) if steady_cpu else None,
+        "snapshot_cpu_s": _median([e.get("cpu_s", {}).get("snapshot") for e in steady_ckpts]),
+        "persist_cpu_s": _median([e.get("cpu_s", {}).get("persist") for e in steady_ckpts]),
+        "copy_Bps": _median([e.get("copy_Bps") for e in steady_ckpts]),
+        "k_snapshot": next((e["k"] for e in events if e["event"] == "k_snapshot"), None),
+        "k_snapshot_reason": next((e.get("reason") for e in events
+                                   if e["event"] == "k_snapshot"), None),
         "peak_host_mem_bytes": summary.get("ckpt_host_bytes"),
         "snapshot_bytes": summary.get("snapshot_bytes"),
         "peak_rss_bytes": summary.get("peak_rss_bytes"),
@@ -195,11 +225,19 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     }
 
 
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
-        out[key] = statistics.median(values) if values else None
+        if values and isinstance(values[0], str):
+            out[key] = values[0]
+        else:
+            out[key] = statistics.median(values) if values else None
     return out
 
 
@@ -242,7 +280,36 @@ def markdown(result: dict[str, Any]) -> str:
             + (f" {fmt(_mb(r.get('replica_bytes_per_rank')), 'MB', 1)} "
                f"| {fmt(r.get('replica_s'))} | {fmt(r.get('restore_peer_s'))} |"
                if peers else ""))
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + cost_table(result)
+
+
+def cost_table(result: dict[str, Any]) -> str:
+    """What a checkpoint costs the CPU and how fast its snapshot copies: K_snapshot
+    (auto's choice), the copy's bandwidth against this host's memcpy, CPU seconds per
+    checkpoint of rank 0's snapshot thread and of its node's persist process, and rank
+    0's whole process CPU per step against the run without checkpoints."""
+    s, memcpy = result["strategies"], result.get("limits", {}).get("memcpy_Bps")
+    none_cpu = s.get("none", {}).get("cpu_per_step_s")
+    lines = ["| strategy | K_snapshot | copy | copy / memcpy | snapshot CPU/ckpt (rank 0) "
+             "| persist CPU/ckpt | rank-0 CPU/step | vs none |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in s.items():
+        copy, cpu = r.get("copy_Bps"), r.get("cpu_per_step_s")
+        extra = (f"+{cpu - none_cpu:.4f} s" if cpu is not None and none_cpu is not None
+                 and name != "none" else "-")
+        lines.append(
+            f"| {name} | {'-' if r.get('k_snapshot') is None else int(r['k_snapshot'])} "
+            f"| {'-' if copy is None else f'{copy / 1e9:.2f} GB/s'} "
+            f"| {'-' if copy is None or not memcpy else f'{copy / memcpy:.2f}'} "
+            f"| {_s(r.get('snapshot_cpu_s'))} | {_s(r.get('persist_cpu_s'))} "
+            f"| {_s(cpu)} | {extra} |")
+    reasons = [f"- {name}: K_snapshot < N because {r['k_snapshot_reason']}"
+               for name, r in s.items() if r.get("k_snapshot_reason")]
+    return "\n".join(lines + (["", *reasons] if reasons else []))
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.4f} s"
 
 
 def _mb(nbytes: float | None) -> float | None:

@@ -86,6 +86,18 @@ class CheckpointResult:
     """Time this rank's replication round took, on the snapshot thread."""
     replica_error: str | None = None
     """Why this rank's replica, or the one it keeps for its peer, is not complete."""
+    copy_Bps: float | None = None
+    """This rank's snapshot copy bandwidth, checksums included (two-level)."""
+    phases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Where the checkpoint's time went (two-level): {"snapshot": this rank's snapshot
+    thread, "persist": the persist process (rank 0: its node's files and the commit)},
+    each {phase: [wall s, CPU s, page faults]} (`moc.checkpoint.phases`)."""
+
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds of this checkpoint's work, by where it ran ("snapshot",
+        "persist"): what it took from training on a machine whose cores are busy."""
+        return {where: sum(v[1] for v in p.values()) for where, p in self.phases.items()}
 
     @property
     def ok(self) -> bool:
@@ -118,6 +130,8 @@ class CheckpointResult:
                 "snapshot_s": self.snapshot_s, "persist_s": self.persist_s,
                 "k_snapshot": self.k_snapshot, "persist_skipped": self.persist_skipped,
                 "error": self.error,
+                **({"copy_Bps": self.copy_Bps, "cpu_s": self.cpu_s, "phases": self.phases}
+                   if self.phases else {}),
                 **({"replica_bytes": self.replica_bytes, "replica_s": self.replica_s,
                     "replica_error": self.replica_error}
                    if self.replica_bytes is not None or self.replica_error else {})}

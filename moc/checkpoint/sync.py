@@ -227,7 +227,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         except OSError as e:  # name the file and the size: `[Errno 28]` alone says neither
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             return {}, 0, f"rank {rank} could not write {path} ({nbytes} bytes): {e}"
-        return ({k: Entry(step, name, r.dtype, r.shape, r.crc32) for k, r in records.items()},
+        return ({k: Entry(step, name, r.dtype, r.shape, r.crc, r.algo) for k, r in records.items()},
                 nbytes, None)
 
     def _commit(self, step: int, extra_state: dict[str, Any] | None, reports: list[tuple],

@@ -316,7 +316,8 @@ class Trainer:
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
             self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
-                              tokens=tokens, lr=cfg.lr_at(self.step))
+                              tokens=tokens, lr=cfg.lr_at(self.step),
+                              cpu_s=time.process_time())
             note = ""
             if ckpt is not None and ckpt.pending:
                 for res in ckpt.drain_completed():
@@ -347,8 +348,10 @@ class Trainer:
             chosen = res.k_snapshot_chosen
             self.metrics.emit("k_snapshot", step=res.step, k=chosen["k_snapshot"],
                               window_s=chosen["window_s"], plan_s=chosen["plan_s"],
-                              copy_Bps=chosen["copy_Bps"])
-            progress.message(f"K_snapshot = {res.k_snapshot} (auto)")
+                              copy_Bps=chosen["copy_Bps"], copy_s=chosen.get("copy_s"),
+                              reason=chosen.get("reason"))
+            why = f": {chosen['reason']}" if chosen.get("reason") else ""
+            progress.message(f"K_snapshot = {res.k_snapshot} (auto){why}")
         event = res.event()
         error = event.pop("error")
         if error:

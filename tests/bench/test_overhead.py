@@ -16,10 +16,13 @@ def _figures(stall: float | None, mean: float, **more: float) -> dict:
 
 def _result() -> dict:
     return {"config": {"preset": "bench", "nproc": 2, "interval": 5},
-            "strategies": {"none": _figures(None, 1.0),
+            "limits": {"memcpy_Bps": 1e10},
+            "strategies": {"none": _figures(None, 1.0, cpu_per_step_s=1.5),
                            "blocking": _figures(0.5, 1.25, bytes_per_ckpt=4e8),
                            "moc": _figures(0.005, 1.05, peak_host_mem_bytes=3e8,
-                                           snapshot_bytes=1e8)}}
+                                           snapshot_bytes=1e8, copy_Bps=6e9, k_snapshot=16,
+                                           snapshot_cpu_s=0.04, persist_cpu_s=0.05,
+                                           cpu_per_step_s=1.6)}}
 
 
 def test_table_gives_ratios_against_blocking_and_no_checkpoints():
@@ -30,6 +33,18 @@ def test_table_gives_ratios_against_blocking_and_no_checkpoints():
     assert cells[6] == "0.952" and cells[7] == "0.952"  # throughput, all and steady
     assert cells[-1] == "300 MB = 3.00 snapshots"
     assert "| 400.0 MB |" in next(line for line in lines if line.startswith("| blocking |"))
+
+
+def test_the_cost_table_gives_copy_bandwidth_against_memcpy_and_cpu_per_checkpoint():
+    result = _result()
+    result["strategies"]["tight"] = {**result["strategies"]["moc"], "k_snapshot": 7,
+                                     "k_snapshot_reason": "the copy takes too long"}
+    lines = markdown(result).splitlines()
+    moc = [line for line in lines if line.startswith("| moc |")][-1]
+    cells = [c.strip() for c in moc.strip("|").split("|")]
+    assert cells[1:] == ["16", "6.00 GB/s", "0.60", "0.0400 s", "0.0500 s", "1.6000 s",
+                         "+0.1000 s"]
+    assert "- tight: K_snapshot < N because the copy takes too long" in lines
 
 
 def test_picture_is_a_png(tmp_path):

@@ -45,7 +45,7 @@ def _commit(root: Path, step: int, tensors: dict[str, torch.Tensor],
     path = begin_step(root, step) / name
     records = write_safetensors(path, tensors)
     entries = dict(inherited)
-    entries.update({k: Entry(step, name, r.dtype, r.shape, r.crc32)
+    entries.update({k: Entry(step, name, r.dtype, r.shape, r.crc)
                     for k, r in records.items()})
     manifest = Manifest(step=step, mode=fields.pop("mode", "pec"),
                         layout={"world_size": 1, "ep": 1}, model={"n_experts": N_EXPERTS},

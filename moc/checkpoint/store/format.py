@@ -14,15 +14,19 @@ against the file, against the manifest) and only then reads exactly the tensor's
 bytes with `os.preadv`, so a tampered header costs an error message, not the memory
 it declares.
 
-Checksums (docs/FORMAT.md, "Checksums"): a manifest of format version 2 records
+Checksums (docs/FORMAT.md, "Checksums"): a manifest of format version 3 records
 
-    checksum = zlib.crc32(descriptor(dtype, shape), zlib.crc32(bytes))
+    checksum = crc32c(descriptor(dtype, shape), crc32c(bytes))
 
-the CRC32 of the bytes continued over a canonical "dtype [shape]" descriptor. A change
-of dtype or shape (in the header and the manifest alike) fails it, and a CRC32 of the
-bytes taken earlier (the two-level snapshot takes them in shared memory) is extended
-without reading the bytes again (`checksum`). Version 1 recorded the CRC32 of the bytes
-alone; `moc.checkpoint.store.manifest` converts those on load.
+the CRC32C of the bytes continued over a canonical "dtype [shape]" descriptor. A change
+of dtype or shape (in the header and the manifest alike) fails it, and a CRC32C of the
+bytes taken earlier (the two-level snapshot takes them in shared memory, while it
+copies) is extended without reading the bytes again (`checksum`). CRC32C, not zlib's
+CRC32: the `crc32c` package computes it with the CPU's CRC instruction (SSE 4.2, ARMv8),
+about 3x zlib's speed here, and releases the GIL. Version 2 recorded the same with
+zlib's CRC32 (`algo` "crc32"); its entries are read, and carried into new manifests, as
+they are. Version 1 recorded the CRC32 of the bytes alone; `moc.checkpoint.store.manifest`
+converts those on load.
 
 Object stores (`store.backend.ObjectPath`): the same bytes are streamed into one object,
 whose size is confirmed with the store after the upload; the reader makes the same
@@ -31,18 +35,23 @@ checks over ranged reads of the object instead of `preadv`.
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import stat
 import struct
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import crc32c as _crc32c
 import torch
 
 from moc.checkpoint.errors import CorruptCheckpointError
+from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath
 
 DTYPES = {
@@ -71,19 +80,35 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
 
+CRC32C = "crc32c"
+"""The checksum of everything moc writes (format version 3, snapshots, replicas)."""
+CRC32 = "crc32"
+"""zlib's CRC32: the checksums of format versions 1 and 2, still read."""
+ALGORITHMS = (CRC32C, CRC32)
+
+
+def crc(data: memoryview | bytes, value: int = 0, algo: str = CRC32C) -> int:
+    """The CRC of `data` continued from `value` (0: from the start), by `algo`."""
+    if algo == CRC32C:
+        return _crc32c.crc32c(data, value)
+    if algo == CRC32:
+        return zlib.crc32(data, value)
+    raise ValueError(f"unknown checksum algorithm {algo!r}, expected one of {ALGORITHMS}")
+
+
 def descriptor(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """The canonical "dtype [d0,d1,...]" a version-2 checksum covers after the bytes."""
+    """The canonical "dtype [d0,d1,...]" a checksum covers after the bytes."""
     return f"{dtype} [{','.join(str(d) for d in shape)}]".encode()
 
 
-def checksum(dtype: str, shape: tuple[int, ...], data_crc: int) -> int:
-    """A version-2 checksum from the CRC32 of the bytes alone (see the module doc)."""
-    return zlib.crc32(descriptor(dtype, shape), data_crc)
+def checksum(dtype: str, shape: tuple[int, ...], data_crc: int, algo: str = CRC32C) -> int:
+    """A tensor's checksum from the CRC of its bytes alone (see the module doc)."""
+    return crc(descriptor(dtype, shape), data_crc, algo)
 
 
-def crc32(t: torch.Tensor) -> int:
-    """The version-2 checksum of a CPU tensor (dtype, shape and bytes)."""
-    return checksum(DTYPES[t.dtype], tuple(t.shape), zlib.crc32(tensor_bytes(t)))
+def tensor_checksum(t: torch.Tensor, algo: str = CRC32C) -> int:
+    """The checksum of a CPU tensor (dtype, shape and bytes)."""
+    return checksum(DTYPES[t.dtype], tuple(t.shape), crc(tensor_bytes(t), 0, algo), algo)
 
 
 @dataclass(frozen=True)
@@ -93,17 +118,24 @@ class TensorRecord:
     dtype: str
     """safetensors dtype name (F32, BF16, ...)."""
     shape: tuple[int, ...]
-    crc32: int
-    """The version-2 checksum (`checksum`): dtype, shape and bytes."""
+    crc: int
+    """The checksum (`checksum`): dtype, shape and bytes."""
+    algo: str = CRC32C
+    """Which CRC `crc` is: CRC32C, or CRC32 for a tensor written by format version 2."""
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None,
-                      crcs: dict[str, int] | None = None) -> dict[str, TensorRecord]:
+                      crcs: dict[str, int] | None = None,
+                      phases: Phases | None = None,
+                      direct: DirectWriter | None = None) -> dict[str, TensorRecord]:
     """Write `tensors` (CPU) as one safetensors file, fsync it, return per-key records
-    (with version-2 checksums). `crcs`: CRC32s of each tensor's bytes alone, already
-    known (taken with a snapshot), extended over dtype and shape instead of being
-    computed again."""
+    (with CRC32C checksums). `crcs`: CRC32Cs of each tensor's bytes alone, already known
+    (taken with a snapshot), extended over dtype and shape instead of being computed
+    again: the bytes are then read once, by the write. `direct`: write a local file
+    with O_DIRECT through its aligned buffer (`DirectWriter`). `phases` gets "write"
+    and "fsync" (a local file) or "upload" (an object)."""
+    phases = phases if phases is not None else Phases()
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for key, t in tensors.items():
@@ -116,26 +148,156 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % ALIGN)
     records: dict[str, TensorRecord] = {}
-
-    def stream(f: IO[bytes]) -> None:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for key, t in tensors.items():
-            data = tensor_bytes(t.cpu())
-            f.write(data)
-            data_crc = crcs[key] if crcs is not None else zlib.crc32(data)
-            dtype, shape = DTYPES[t.dtype], tuple(t.shape)
-            records[key] = TensorRecord(dtype, shape, checksum(dtype, shape, data_crc))
+    chunks: list[memoryview | bytes] = [struct.pack("<Q", len(blob)), blob]
+    for key, t in tensors.items():
+        data = tensor_bytes(t.cpu())
+        chunks.append(data)
+        data_crc = crcs[key] if crcs is not None else crc(data)
+        dtype, shape = DTYPES[t.dtype], tuple(t.shape)
+        records[key] = TensorRecord(dtype, shape, checksum(dtype, shape, data_crc))
 
     if isinstance(path, ObjectPath):
-        with path.open_write() as f:  # blocks until uploaded and its size confirmed
-            stream(f)
+        with phases("upload"), path.open_write() as f:  # blocks until uploaded, confirmed
+            for data in chunks:
+                f.write(data)
         return records
-    with open(path, "wb") as f:
-        stream(f)
-        f.flush()
-        os.fsync(f.fileno())  # blocks until the bytes are on disk, not in the page cache
+    if direct is not None and direct.write(path, chunks, phases):
+        return records
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        with phases("write"):
+            write_all(fd, chunks)
+        with phases("fsync"):
+            os.fsync(fd)  # blocks until the bytes are on disk, not in the page cache
+    finally:
+        os.close(fd)
     return records
+
+
+class DirectWriter:
+    """Writes files with O_DIRECT: the bytes go from an aligned buffer to the disk, not
+    through the page cache.
+
+    Why, for the persist process: a buffered write copies every byte into the page
+    cache, and a checkpoint every step fills the cache with pages no one reads again,
+    so each write also pays for reclaiming older ones (measured: 0.09 s of kernel CPU
+    per 40 MB persist on the project's machine, against 0.015 s direct), and the cache
+    training's data lives in is evicted for nothing. O_DIRECT needs buffers, offsets
+    and lengths aligned to the device's blocks, which the bytes of a safetensors file
+    (a header, then tensors packed back to back, taken from wherever they lie in the
+    snapshot slot) are not; so they are gathered, CHUNK bytes at a time, into one
+    page-aligned buffer (a memcpy: a fraction of what the page cache costs), written
+    in whole blocks, and the file is truncated to its length at the end.
+
+    A file system that refuses O_DIRECT (tmpfs, some network and FUSE file systems)
+    is remembered and written the buffered way from then on. One buffer, reused:
+    owned by one thread (the persist process's)."""
+
+    CHUNK = 8 << 20
+    """Bytes per write: large, and a multiple of every block size."""
+    BLOCK = 4096
+    """Alignment of offsets and lengths (the largest common logical block size)."""
+
+    def __init__(self) -> None:
+        self.supported = hasattr(os, "O_DIRECT")
+        self._buf: mmap.mmap | None = None
+
+    def write(self, path: Path, chunks: list[memoryview | bytes], phases: Phases) -> bool:
+        """Write `chunks` to `path` (created or truncated) with O_DIRECT and fsync it;
+        False, having written nothing, where the file system refuses O_DIRECT."""
+        if not self.supported:
+            return False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.supported = False
+            return False
+        try:
+            with phases("write"):
+                if not self._write(fd, chunks):
+                    self.supported = False
+                    return False
+            with phases("fsync"):
+                os.fsync(fd)  # the data is on the device; this flushes metadata and cache
+        finally:
+            os.close(fd)
+        return True
+
+    def _write(self, fd: int, chunks: list[memoryview | bytes]) -> bool:
+        if self._buf is None:
+            self._buf = mmap.mmap(-1, self.CHUNK)  # anonymous: page-aligned
+        with memoryview(self._buf) as buf:
+            return self._fill(fd, buf, chunks)
+
+    def _fill(self, fd: int, buf: memoryview, chunks: list[memoryview | bytes]) -> bool:
+        at = filled = 0
+        for chunk in chunks:
+            data = memoryview(chunk).cast("B")
+            while len(data):
+                n = min(len(data), self.CHUNK - filled)
+                buf[filled:filled + n] = data[:n]
+                filled, data = filled + n, data[n:]
+                if filled == self.CHUNK:
+                    if not self._pwrite(fd, buf, at):
+                        return False
+                    at, filled = at + filled, 0
+        if filled:
+            padded = -(-filled // self.BLOCK) * self.BLOCK
+            buf[filled:padded] = bytes(padded - filled)
+            if not self._pwrite(fd, buf[:padded], at):
+                return False
+            os.ftruncate(fd, at + filled)  # the padding was never the file's
+        return True
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, at: int) -> bool:
+        """Write all of `data` at `at`; False on the first EINVAL (O_DIRECT refused
+        only now: some file systems accept the flag and fail the write)."""
+        done = 0
+        while done < len(data):
+            try:
+                n = os.pwrite(fd, data[done:], at + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and at == 0 and done == 0:
+                    return False
+                raise
+            if n <= 0:
+                raise OSError(f"pwrite wrote {n} bytes")
+            done += n
+        return True
+
+
+WRITE_BUFFERS = 512
+"""Buffers per `writev` call (Linux takes up to IOV_MAX = 1024)."""
+WRITE_BYTES = 1 << 30
+"""Bytes per `writev` call: Linux transfers at most 2 GiB - 4 KiB in one."""
+
+
+def write_all(fd: int, chunks: list[memoryview | bytes]) -> None:
+    """Write every byte of `chunks`, in order, with as few system calls as the kernel
+    allows (`writev` of many tensors at once, straight from their memory: no buffer in
+    between, and a file of small tensors costs a handful of calls, not one each)."""
+    pending = deque(memoryview(c).cast("B") for c in chunks if len(c))
+    while pending:
+        batch, size = [], 0
+        for c in pending:
+            if len(batch) == WRITE_BUFFERS or size + len(c) > WRITE_BYTES:
+                break
+            batch.append(c)
+            size += len(c)
+        if not batch:  # one buffer over WRITE_BYTES: write part of it
+            batch = [pending[0][:WRITE_BYTES]]
+        n = os.writev(fd, batch)  # blocks until the kernel took n bytes
+        if n <= 0:
+            raise OSError(f"writev wrote {n} bytes")
+        while n:  # drop what was written, keep the rest of a buffer cut short
+            if n >= len(pending[0]):
+                n -= len(pending.popleft())
+            else:
+                pending[0], n = pending[0][n:], 0
 
 
 @dataclass(frozen=True)
@@ -323,7 +485,7 @@ class TensorReader:
             if n <= 0:
                 raise self._corrupt(f"key {key!r}: the file ends inside its data")
             done += n
-        if checksum(d.dtype, d.shape, zlib.crc32(view)) != expected.crc32:
+        if checksum(d.dtype, d.shape, crc(view, 0, expected.algo), expected.algo) != expected.crc:
             raise CorruptCheckpointError(
                 f"{self.path}: checksum mismatch for key {key!r} ({d.dtype} {d.shape}); "
                 "the file is corrupt")

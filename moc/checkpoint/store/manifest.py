@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import (
+    CRC32,
+    CRC32C,
     ITEM_SIZES,
     TensorRecord,
     checksum,
@@ -30,10 +32,13 @@ from moc.checkpoint.store.steps import (
 )
 
 FORMAT_NAME = "moc-checkpoint"
-FORMAT_VERSION = 2
-"""Version 2: an entry's crc32 covers dtype, shape and bytes (format.checksum)."""
-READABLE_VERSIONS = (1, 2)
-"""Version 1: crc32 of the bytes alone; converted to version 2's meaning on load."""
+FORMAT_VERSION = 3
+"""Version 3: an entry's checksum is a CRC32C ("crc32c") over bytes, dtype and shape
+(format.checksum), or, for a tensor a version-2 step wrote and this one inherits, that
+step's CRC32 ("crc32"), kept as it was."""
+READABLE_VERSIONS = (1, 2, 3)
+"""Version 2: every entry's "crc32", zlib's CRC32 over bytes, dtype and shape. Version 1:
+"crc32" of the bytes alone, converted to version 2's meaning on load."""
 MAX_MANIFEST_BYTES = 1 << 30
 """A manifest lists keys, not tensors: a model of a million keys needs a few hundred MB.
 Anything larger is not a manifest, and is not read into memory."""
@@ -50,8 +55,11 @@ class Entry:
     dtype: str
     """safetensors dtype name (F32, BF16, I64, ...)."""
     shape: tuple[int, ...]
-    crc32: int
-    """The version-2 checksum of dtype, shape and bytes (`format.checksum`)."""
+    crc: int
+    """The checksum of dtype, shape and bytes (`format.checksum`)."""
+    algo: str = CRC32C
+    """Which CRC `crc` is: CRC32C, or CRC32 where a version-2 step wrote the tensor.
+    On disk the entry's field is named after it ("crc32c": ..., or "crc32": ...)."""
 
     def path(self, root: Path | ObjectPath) -> Path | ObjectPath:
         return step_dir(root, self.step) / self.file
@@ -59,7 +67,11 @@ class Entry:
     @property
     def record(self) -> TensorRecord:
         """What a read of this key must find in the file."""
-        return TensorRecord(self.dtype, self.shape, self.crc32)
+        return TensorRecord(self.dtype, self.shape, self.crc, self.algo)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "file": self.file, "dtype": self.dtype,
+                "shape": list(self.shape), self.algo: self.crc}
 
 
 @dataclass(frozen=True)
@@ -93,21 +105,28 @@ class Manifest:
     version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        d = asdict(self)
+        """Compact JSON (`python -m json.tool` shows it indented): written once per
+        checkpoint by the persist process, where an indented dump of a few thousand
+        entries cost more CPU than the rest of the commit (Python's encoder, not the C
+        one, runs for `indent`)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["entries"] = {k: e.to_dict() for k, e in self.entries.items()}
         if not d["model_config"]:
             # Absent rather than empty: a manifest without it stays readable by releases
             # that refuse unknown fields (0.3.0).
             del d["model_config"]
         d = {"format": FORMAT_NAME, **d}
-        return json.dumps(d, indent=1, sort_keys=True)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
         """Parse and validate a manifest. Everything in it is checked (types, ranges,
         and that the fields agree with one another), since recovery acts on it: a
         malformed field is CorruptCheckpointError (recovery falls back to an older
-        step), never a traceback later. A readable version-1 manifest comes back with
-        version-2 checksums (and `version` 2): in memory every manifest means the same.
+        step), never a traceback later. An older readable manifest comes back as the
+        current version: its entries keep their CRC32 ("crc32" algo; a version-1
+        checksum extended over dtype and shape), so in memory every manifest means the
+        same, and a new step carries inherited entries over unchanged.
         IncompatibleCheckpointError is for a format version this moc cannot read."""
         try:
             d = json.loads(text, object_pairs_hook=no_duplicate_keys)
@@ -221,7 +240,9 @@ class _Malformed(ValueError):
 
 FIELDS = {"format", "version", "step", "mode", "layout", "model", "entries", "files",
           "extra", "experts", "policy", "experts_saved", "tokens", "model_config"}
-ENTRY_FIELDS = {"step", "file", "dtype", "shape", "crc32"}
+ENTRY_FIELDS = {"step", "file", "dtype", "shape"}
+"""And one checksum field, named after its algorithm (version 3: "crc32c" or "crc32";
+versions 1 and 2: "crc32")."""
 POLICY_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "selection": (str,), "apply_to": (str,), "dynamic_k": (bool,),
     "plt_threshold": (int, float), "plt_base": (int, float)}
@@ -309,9 +330,12 @@ def _parse(d: dict[str, Any], version: int) -> Manifest:
 
 def _entry(e: object, key: str, step: int, version: int) -> Entry:
     e = _dict(e, f"entries[{key!r}]")
-    if set(e) != ENTRY_FIELDS:
-        raise _Malformed(f"entries[{key!r}] has {sorted(e)}, expected "
-                         f"{', '.join(sorted(ENTRY_FIELDS))}")
+    algos = (CRC32C, CRC32) if version >= 3 else (CRC32,)
+    named = [a for a in algos if a in e]
+    if len(named) != 1 or set(e) != ENTRY_FIELDS | set(named):
+        expected = f"{', '.join(sorted(ENTRY_FIELDS))} and one of {', '.join(algos)}"
+        raise _Malformed(f"entries[{key!r}] has {sorted(e)}, expected {expected}")
+    algo = named[0]
     what = f"entries[{key!r}]"
     at = _uint(e["step"], f"{what}.step", step + 1)  # older steps only, or this one
     if not is_rank_file(e["file"]):
@@ -323,10 +347,10 @@ def _entry(e: object, key: str, step: int, version: int) -> Entry:
     if not isinstance(e["shape"], list):
         raise _Malformed(f"{what}.shape is {e['shape']!r}, expected a list")
     shape = tuple(_uint(x, f"{what}.shape") for x in e["shape"])
-    crc = _uint(e["crc32"], f"{what}.crc32", 1 << 32)
+    crc = _uint(e[algo], f"{what}.{algo}", 1 << 32)
     if version == 1:  # the bytes alone; extended as version 2 defines it
-        crc = checksum(e["dtype"], shape, crc)
-    return Entry(at, e["file"], e["dtype"], shape, crc)
+        crc = checksum(e["dtype"], shape, crc, CRC32)
+    return Entry(at, e["file"], e["dtype"], shape, crc, algo)
 
 
 def _experts(d: dict[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,7 @@ from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
 from moc.checkpoint.parts import EngineParts
+from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
@@ -121,6 +122,8 @@ class _InFlight:
     done: Done | None = None
     replica: Future | None = None
     """This rank's replication round (across nodes), on the snapshot thread."""
+    snapshot_phases: Phases | None = None
+    copy_Bps: float | None = None
 
     def final(self, rank: int) -> bool:
         """Its snapshot is taken, its replica round (if any) is over, and (rank 0, which
@@ -151,7 +154,10 @@ class _InFlight:
             k_snapshot_chosen=o.k_snapshot_chosen,
             replica_bytes=replica.bytes_sent if replica is not None else None,
             replica_s=replica.seconds if replica is not None else None,
-            replica_error=replica.error if replica is not None else None)
+            replica_error=replica.error if replica is not None else None,
+            copy_Bps=self.copy_Bps,
+            phases={"snapshot": (self.snapshot_phases or Phases()).to_dict(),
+                    **({"persist": d.phases} if d is not None and d.phases else {})})
 
 
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
@@ -370,10 +376,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             self.auto_k_snapshot = False
             if self.parts.groups.rank == 0:
                 self.planner.choice = choose_k(
-                    header, handle.seconds, window, handle.plan_s, self.parts.chain.stems,
+                    header, handle.copy_s, window, handle.plan_s, self.parts.chain.stems,
                     self.spec.n_experts, self.spec.n_moe_layers, self.parts.ledger.k)
         rec = self._in_flight[handle.step]
         rec.wait_s, rec.snapshot_s = time.perf_counter() - t0, handle.seconds
+        rec.snapshot_phases, rec.copy_Bps = handle.phases, handle.copy_Bps
         rec.outcome = handle.job.outcome if handle.job is not None else None
         self._raise_shared_error()
 

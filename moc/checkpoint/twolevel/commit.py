@@ -114,7 +114,7 @@ def write_part(root: Path | ObjectPath, step: int, node: int, nonce: str, *,
             return  # node 0 never began it: nobody waits for this part
     _write_record(d, part_name(node), {
         "nonce": nonce, "node": node, "error": error,
-        "entries": {k: [e.step, e.file, e.dtype, list(e.shape), e.crc32]
+        "entries": {k: [e.step, e.file, e.dtype, list(e.shape), e.crc, e.algo]
                     for k, e in (entries or {}).items()},
         "files": files or {}, "held": held or [],
         "bytes_per_rank": {str(r): n for r, n in (bytes_per_rank or {}).items()}})
@@ -169,8 +169,8 @@ def gather_parts(root: Path | ObjectPath, step: int, nodes: range, nonce: str,
         return len(found) == len(nodes)
 
     _wait(all_in, timeout_s, cancelled, f"the parts of nodes {list(nodes)} of step {step}")
-    return [Part(node, {k: Entry(int(s), str(f), str(t), tuple(shape), int(c))
-                        for k, (s, f, t, shape, c) in r["entries"].items()},
+    return [Part(node, {k: Entry(int(s), str(f), str(t), tuple(shape), int(c), str(a))
+                        for k, (s, f, t, shape, c, a) in r["entries"].items()},
                  {str(k): int(v) for k, v in r["files"].items()}, list(r["held"]),
                  {int(k): int(v) for k, v in r["bytes_per_rank"].items()})
             for node, r in sorted(found.items())]

@@ -46,10 +46,18 @@ from queue import Empty, Queue
 
 from moc.checkpoint import codec
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath, open_root
-from moc.checkpoint.store.format import write_safetensors
+from moc.checkpoint.store.format import DirectWriter, write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
-from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_dir
+from moc.checkpoint.store.steps import (
+    MANIFEST,
+    begin_step,
+    commit_step,
+    rank_file,
+    step_dir,
+    tmp_dir,
+)
 from moc.checkpoint.twolevel.commit import (
     Abandoned,
     clear_records,
@@ -362,6 +370,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
     threading.Thread(target=accept, daemon=True).start()
     try:
         ready: dict[int, dict[int, Ready]] = {}  # step -> rank -> its snapshot
+        cache = PersistCache()
         pending: list[Persist] = []
         failed: dict[int, str] = {}  # step -> why a rank's snapshot of it failed
         while True:
@@ -392,7 +401,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 req = pending.pop(0)
                 # A URL becomes this process's own client, from its own environment.
                 result = _run(job, open_root(root), req, ready.pop(req.step), parent_pid,
-                              lambda step=req.step: step in abandoned)
+                              lambda step=req.step: step in abandoned, cache)
             else:
                 continue
             for old in [s for s in ready if s < req.step]:
@@ -421,18 +430,21 @@ def _alive(pid: int) -> bool:
 
 
 def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid: int,
-         abandoned: Callable[[], bool] = lambda: False) -> Done:
+         abandoned: Callable[[], bool] = lambda: False,
+         cache: PersistCache | None = None) -> Done:
     """Persist one step; its result, failures included. On a node other than 0 a
     failure is also written as the node's part, so that node 0 stops waiting for it."""
+    cache = cache if cache is not None else PersistCache()
     t0 = time.perf_counter()
     time.sleep(float(os.environ.get(STALL_ENV, "0")))
 
     def cancelled() -> bool:
         return abandoned() or not _alive(parent_pid)
 
+    phases = Phases()
     try:
-        sizes = _persist(job, root, req, ready, cancelled)
-        return Done(req.step, True, None, time.perf_counter() - t0, sizes)
+        sizes = _persist(job, root, req, ready, cancelled, phases, cache)
+        return Done(req.step, True, None, time.perf_counter() - t0, sizes, phases.to_dict())
     except Exception as e:
         if isinstance(e, (OSError, Abandoned)):  # described by `_persist`: no traceback
             error = f"{type(e).__name__}: {e}"
@@ -455,10 +467,12 @@ def _give_up(root: Path, req: Persist, error: str, cancelled: Callable[[], bool]
 
 
 def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
-             cancelled: Callable[[], bool]) -> list[int]:
+             cancelled: Callable[[], bool], phases: Phases, cache: PersistCache) -> list[int]:
     """Write one step's files of this node's ranks; on node 0 also wait for the other
     nodes' parts and commit the manifest (`twolevel.commit`). The bytes written for
-    each rank of the job (on node j > 0: of its own ranks)."""
+    each rank of the job (on node j > 0: of its own ranks). `phases`: "read" (the
+    snapshots' headers and mappings), "write", "fsync", "parts" (waiting for other
+    nodes) and "commit"."""
     others = range(1, req.n_nodes)
     if req.node == 0:
         begin_step(root, req.step)
@@ -466,21 +480,32 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
             write_begin(root, req.step, req.nonce)
     else:
         wait_begun(root, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
-    entries, files, held, sizes = _write_files(job, root, req, ready)
+    entries, files, held, sizes = _write_files(job, root, req, ready, phases, cache)
     if req.node != 0:
         write_part(root, req.step, req.node, req.nonce, entries=entries, files=files,
                    held=sorted(held), bytes_per_rank=sizes)
         return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
-    for part in gather_parts(root, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled):
+    with phases("parts"):
+        parts = gather_parts(root, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+    for part in parts:
         entries.update(part.entries)
         files.update(part.files)
         held.update(part.held)
         sizes.update(part.bytes_per_rank)
     if cancelled():
         raise RuntimeError("the job is gone; step left uncommitted")
+    with phases("commit"):
+        _commit(root, req, entries, held, files, others, cache)
+    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+
+
+def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
+            files: dict[str, int], others: range, cache: PersistCache) -> None:
+    """Node 0: the step's manifest, from this step's entries and the previous step's
+    for the keys not written now."""
     clear_records(root, req.step, others)
     assert req.template is not None  # node 0's request carries it
-    prev = Manifest.load(root, req.prev_step).entries if req.prev_step is not None else {}
+    prev = cache.manifest(root, req.prev_step).entries if req.prev_step is not None else {}
     # The state is what the ranks hold now: keys of ranks that no longer exist drop out.
     all_entries = {k: e for k, e in prev.items() if k in held}
     all_entries.update(entries)
@@ -495,13 +520,51 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
     except OSError as e:
         raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
                                 f"of {len(text.encode())} bytes)") from None
-    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+    cache.committed(root, manifest)
 
 
-def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready]
+class PersistCache:
+    """What the persist process keeps from one persist to the next: the ranks' snapshot
+    slots, mapped once (a fresh mapping per persist costs a page fault per 4 KiB read),
+    the aligned buffer of its O_DIRECT writes, and the manifest it committed last, which
+    the next commit builds on (parsing and validating it again cost more CPU than
+    writing it). The manifest is reused only while its file is the very one committed
+    (same inode, size and mtime): anything that replaced it since (a rollback's new
+    chain, a hand edit) is read afresh."""
+
+    def __init__(self) -> None:
+        self.stores: dict[int, SnapshotStore] = {}
+        self.direct = DirectWriter()
+        self._last: tuple[Manifest, tuple[int, int, int]] | None = None
+
+    @staticmethod
+    def _signature(root: Path | ObjectPath, step: int) -> tuple[int, int, int] | None:
+        if isinstance(root, ObjectPath):
+            return None  # no cheap identity for an object: always read it
+        try:
+            st = os.stat(step_dir(root, step) / MANIFEST)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def committed(self, root: Path | ObjectPath, manifest: Manifest) -> None:
+        signature = self._signature(root, manifest.step)
+        self._last = (manifest, signature) if signature is not None else None
+
+    def manifest(self, root: Path | ObjectPath, step: int) -> Manifest:
+        if self._last is not None and self._last[0].step == step and (
+                self._signature(root, step) == self._last[1]):
+            return self._last[0]
+        return Manifest.load(root, step)
+
+
+def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready], phases: Phases,
+                 cache: PersistCache
                  ) -> tuple[dict[str, Entry], dict[str, int], set[str], dict[int, int]]:
-    """Write the file of each of this node's ranks straight from its snapshot slot:
-    (entries, file sizes, keys the ranks hold, bytes per rank)."""
+    """Write the file of each of this node's ranks straight from its snapshot slot
+    (through the cache's O_DIRECT buffer on a local disk): (entries, file sizes, keys
+    the ranks hold, bytes per rank)."""
+    stores = cache.stores
     entries: dict[str, Entry] = {}
     files: dict[str, int] = {}
     held: set[str] = set()
@@ -509,24 +572,26 @@ def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready]
         held.update(snap.held)
         if not snap.write:
             continue
-        store = SnapshotStore(job, rank)
-        header = store.headers().get(snap.slot)
-        if header is None or header.step != req.step:
-            raise RuntimeError(f"rank {rank}'s snapshot of step {req.step} is gone from "
-                               f"slot {snap.slot}")
-        tensors = store.read(snap.slot, header, verify=False)
+        with phases("read"):
+            if rank not in stores:
+                stores[rank] = SnapshotStore(job, rank)
+            store = stores[rank]
+            header = store.header(snap.slot)
+            if header is None or header.step != req.step:
+                raise RuntimeError(f"rank {rank}'s snapshot of step {req.step} is gone from "
+                                   f"slot {snap.slot}")
+            chosen = store.read(snap.slot, header, verify=False, keys=list(snap.write))
         name = rank_file(rank)
         path = tmp_dir(root, req.step) / name
-        chosen = {k: tensors[k] for k in snap.write}
         try:
-            records = write_safetensors(path, chosen,
-                                        crcs={k: header.entries[k].crc32 for k in snap.write})
+            records = write_safetensors(path, chosen, phases=phases, direct=cache.direct,
+                                        crcs={k: header.entries[k].crc for k in snap.write})
         except OSError as e:
             nbytes = sum(t.numel() * t.element_size() for t in chosen.values())
             raise _storage_error(e, f"could not write {path} ({nbytes} bytes of rank "
                                     f"{rank}'s tensors)") from None
         files[name] = path.stat().st_size
-        entries.update({k: Entry(req.step, name, r.dtype, r.shape, r.crc32)
+        entries.update({k: Entry(req.step, name, r.dtype, r.shape, r.crc, r.algo)
                         for k, r in records.items()})
     return entries, files, held, {r: files.get(rank_file(r), 0) for r in ready}
 

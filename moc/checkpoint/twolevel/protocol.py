@@ -29,7 +29,7 @@ older one cannot speak to the new one.
                                                       (`twolevel.commit`)
     leader -> persist    Abandon(step)                `step` failed: stop waiting for it
     leader -> persist    Stop()                       the job is closing
-    persist -> leader    Done(step, ok, error, seconds, bytes_per_rank)
+    persist -> leader    Done(step, ok, error, seconds, bytes_per_rank, phases)
                                                       `step` was committed (ok) or given up
                                                       (node j > 0: its part was written)
 
@@ -131,3 +131,6 @@ class Done:
     error: str | None = None
     seconds: float = 0.0
     bytes_per_rank: list[int] | None = field(default=None)
+    phases: dict[str, list[float]] | None = None
+    """Where the persist's time went: {phase: [wall s, CPU s, page faults]}
+    (`Phases.to_dict`)."""

@@ -11,9 +11,9 @@ another node and keeps the one it receives from rank src(r), in
 One replication round (`exchange_replicas`), run by every rank of a dedicated gloo group
 for the same step, on the snapshot thread after the copy:
 
-    prefix   int64[6]: magic, version, frame length, frame CRC32, stream bytes, chunk bytes
+    prefix   int64[6]: magic, version, frame length, frame CRC32C, stream bytes, chunk bytes
     frame    JSON: src, step (null: a marker, no snapshot follows), error, meta, and the
-             entries [key, dtype, shape, crc32] in stream order
+             entries [key, dtype, shape, crc32c] in stream order
     stream   the entries' bytes, each 8-byte aligned (the receiver's compact slot layout),
              cut into chunks of `chunk bytes`
 
@@ -23,7 +23,7 @@ rank with no snapshot sends a marker for the same reason. Sends and receives of 
 are posted before either is waited for, so a ring of ranks (each sending to the next)
 cannot deadlock, and dst == src (a pair) works alike. The stream lands straight in the
 receiving slot's shared-memory mapping; the header is written (atomically) only after
-every entry's CRC32 matched the sender's, so a replica exists exactly when it is
+every entry's CRC32C matched the sender's, so a replica exists exactly when it is
 complete and verified. Of the two slots one always holds the newest complete replica
 and is never written: a transfer cut short (a dead sender, a CRC mismatch, SIGKILL)
 costs the replica being received, never the one before it.
@@ -41,7 +41,6 @@ import bisect
 import json
 import math
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,7 @@ import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.store.format import tensor_bytes
+from moc.checkpoint.store.format import crc, tensor_bytes
 from moc.checkpoint.twolevel.sizing import snapshot_experts
 from moc.checkpoint.twolevel.slots import (
     ALIGN,
@@ -69,7 +68,7 @@ CHUNK_BYTES = 64 << 20
 """Bytes per message: large enough that per-message latency is noise, small enough that
 a rate limit is smooth and a sender's staging buffer stays small."""
 _MAGIC = 0x6D6F632D7265706C  # b"moc-repl"
-_VERSION = 1
+_VERSION = 2  # 2: CRC32C checksums (1: zlib CRC32)
 _TAG = 14
 _PREFIX = 6
 
@@ -200,7 +199,7 @@ class _Outgoing:
         self.step: int | None = frame["step"]
         self.frame = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else (
             torch.empty(0, dtype=torch.uint8))
-        self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), zlib.crc32(data), size, chunk],
+        self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), crc(data), size, chunk],
                                    dtype=torch.int64)
         self.pieces = pieces
         self._starts = [off for off, _ in pieces]
@@ -220,7 +219,7 @@ class _Outgoing:
             raise CheckpointError(f"replica of step {header.step}: keys {missing[:5]} are not "
                                   "in the snapshot (header and views)")
         entries = [(k, header.entries[k].dtype, header.entries[k].shape,
-                    header.entries[k].crc32) for k in keys]
+                    header.entries[k].crc) for k in keys]
         offsets, size = _compact(entries)
         pieces = []
         for (key, dtype, shape, _), off in zip(entries, offsets, strict=True):
@@ -272,12 +271,12 @@ class _Incoming:
 
     @classmethod
     def parse(cls, src: int, prefix: torch.Tensor, frame: torch.Tensor) -> _Incoming:
-        _, _, _, crc, size, chunk = (int(x) for x in prefix)
+        _, _, _, frame_crc, size, chunk = (int(x) for x in prefix)
         out = cls(size, chunk)
         data = frame.numpy().tobytes()
         try:
-            if zlib.crc32(data) != crc:
-                raise ValueError("the frame's CRC32 does not match")
+            if crc(data) != frame_crc:
+                raise ValueError("the frame's CRC32C does not match")
             d = json.loads(data)
             if d["src"] != src:
                 raise ValueError(f"it comes from rank {d['src']}")
@@ -307,16 +306,16 @@ class _Incoming:
     def header(self) -> SnapshotHeader:
         assert self.entries is not None and self.offsets is not None and self.step is not None
         return SnapshotHeader(self.step, {
-            key: SlotEntry(off, dtype, shape, crc)
-            for (key, dtype, shape, crc), off in zip(self.entries, self.offsets, strict=True)},
+            key: SlotEntry(off, dtype, shape, value)
+            for (key, dtype, shape, value), off in zip(self.entries, self.offsets, strict=True)},
             self.meta)
 
     def mismatch(self, buf: torch.Tensor) -> str | None:
-        """The first entry whose bytes in `buf` fail their CRC32, or None."""
+        """The first entry whose bytes in `buf` fail their CRC32C, or None."""
         header = self.header()
         for key, e in header.entries.items():
             raw = buf[e.offset:e.offset + _nbytes(e.dtype, e.shape)]
-            if zlib.crc32(tensor_bytes(raw)) != e.crc32:
+            if crc(tensor_bytes(raw)) != e.crc:
                 return key
         return None
 
@@ -424,7 +423,7 @@ def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
     that will not come. The frame carries the snapshot's own CRC32s, so a byte that
     changed in the sender's slot after its header was written is caught by the receiver.
 
-    A received replica is published only when complete with every CRC32 matched; a
+    A received replica is published only when complete with every CRC32C matched; a
     refused one is reported (`error`) and the newest complete replica stays as it was.
     Raises CheckpointError when the group itself fails (a peer gone): the slot being
     received is then left without a header, and the group must not be used again.
@@ -480,7 +479,7 @@ def send_replica(group: dist.ProcessGroup, dst: int, store: SnapshotStore, slot:
                  header: SnapshotHeader | None, *, rate_Bps: float | None = None,
                  chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
     """Recovery, holder's side: send the copy in `slot` of `store` (a replica, or a
-    rank's own snapshot left on this node) to rank `dst`, after checking every CRC32
+    rank's own snapshot left on this node) to rank `dst`, after checking every CRC32C
     of it; a copy that fails them, or none (`header` None: the slot no longer holds
     it), is not sent: a marker goes instead (`receive_replica` returns None) and `error`
     says why. Blocks until sent."""
@@ -507,7 +506,7 @@ def receive_replica(group: dist.ProcessGroup, src: int
                     ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
     """Recovery, receiver's side: the replica rank `src` sends (`send_replica`), as its
     header (offsets into one CPU buffer) and verified CPU tensors (ordinary memory, not
-    shared); None when the holder had no good copy or the bytes failed their CRC32 in
+    shared); None when the holder had no good copy or the bytes failed their CRC32C in
     transit: recover from storage then. Blocks until received."""
     _check_peers(None, src)
     held: list[torch.Tensor] = []

@@ -73,9 +73,11 @@ def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: floa
              ) -> dict[str, Any]:
     """The paper's adaptive configuration: the largest K_snapshot whose copy still hides
     behind a forward and backward pass, from a copy just measured (its bytes in `header`
-    and its time `seconds`) and the time training ran meanwhile (`window`: save()
-    returning to wait_for_snapshot()) less the time the plan took before the copy
-    (`plan_s`). Never below `floor` (K_persist: the persist reads from the snapshot)."""
+    and the time of the copy itself, `seconds`: with its checksums, without the one-time
+    reservation of the slots' memory) and the time training ran meanwhile (`window`:
+    save() returning to wait_for_snapshot()) less the time the plan took before the copy
+    (`plan_s`). Never below `floor` (K_persist: the persist reads from the snapshot).
+    When K_snapshot < N, `reason` says why, in numbers."""
     nbytes = {k: torch.Size(e.shape).numel() * _itemsize(e.dtype)
               for k, e in header.entries.items()}
     dense = sum(b for k, b in nbytes.items() if parse_expert_key(k) is None)
@@ -86,12 +88,21 @@ def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: floa
             at = (stems[parsed[1]], parsed[2])
             experts[at] = experts.get(at, 0) + b
     per_k = (sum(experts.values()) / max(1, len(experts))) * n_moe_layers
-    bandwidth = sum(nbytes.values()) / max(seconds, 1e-9)
-    budget = bandwidth * max(0.0, window - plan_s) - dense
+    total = sum(nbytes.values())
+    bandwidth = total / max(seconds, 1e-9)
+    room = max(0.0, window - plan_s)
+    budget = bandwidth * room - dense
     k = int(budget // per_k) if per_k else n_experts
     k = max(min(floor, n_experts), min(n_experts, k))
+    reason = None
+    if k < n_experts:
+        reason = (f"a complete snapshot ({total / 1e6:.0f} MB) copies in {seconds:.3f} s at "
+                  f"{bandwidth / 1e9:.2f} GB/s, but forward and backward leave it "
+                  f"{room:.3f} s ({window:.3f} s less {plan_s:.3f} s of planning): "
+                  f"{k} of {n_experts} experts per layer fit; k_snapshot='all' takes every "
+                  "expert anyway (training then waits for the rest of the copy)")
     return {"k_snapshot": k, "window_s": window, "plan_s": plan_s, "copy_Bps": bandwidth,
-            "snapshot_s": seconds}
+            "copy_s": seconds, "reason": reason}
 
 
 def _itemsize(dtype: str) -> int:

@@ -4,14 +4,17 @@ Each rank owns three preallocated slots (triple buffering: one being written, on
 persisted, one holding the newest complete snapshot for recovery) under
 
     /dev/shm/moc-<job>/rank-<r>/slot-<i>.bin     the tensor bytes, 8-byte aligned
-    /dev/shm/moc-<job>/rank-<r>/slot-<i>.json    header: step, offsets, dtypes, CRC32s
+    /dev/shm/moc-<job>/rank-<r>/slot-<i>.json    header: step, offsets, dtypes, CRC32Cs
 
 A slot's header is removed before the slot is overwritten and written (atomically, by
 rename) only after every byte is copied and checksummed, so a header exists exactly when
-the slot holds a complete snapshot. The files live in shared memory, not in a process:
-they survive the crash of the training process that wrote them, and a restarted rank
-reads them back. The slot files are mapped once and reused: no allocation per checkpoint
-once warm.
+the slot holds a complete snapshot. Each tensor's CRC32C is taken while it is copied,
+a megabyte at a time right behind the copy (the bytes are still in the CPU's cache),
+so a snapshot reads the state once and writes the slot once.
+
+The files live in shared memory, not in a process: they survive the crash of the
+training process that wrote them, and a restarted rank reads them back. The slot files
+are mapped once and reused: no allocation per checkpoint once warm.
 
 The copy is run by the snapshot worker (`twolevel.worker`) on a background thread;
 this module only owns the slots: their files, mappings and headers.
@@ -29,11 +32,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import stat
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,9 @@ from typing import Any
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath, is_url
-from moc.checkpoint.store.format import tensor_bytes
+from moc.checkpoint.store.format import CRC32C, crc, tensor_bytes
 
 
 def shm_root() -> Path:
@@ -55,6 +59,10 @@ N_SLOTS = 3
 buffer): a complete snapshot always exists while the next one is being taken."""
 ALIGN = 8
 """Every tensor of a slot starts at a multiple of this (snapshots and replicas alike)."""
+COPY_CHUNK = 1 << 20
+"""Bytes copied before their checksum is taken: small enough that they are still in the
+CPU's cache when the CRC reads them (one pass over memory, not two), large enough that
+the loop's own cost (a few microseconds a chunk) stays under 1% of the copy's."""
 DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -130,7 +138,8 @@ class SlotEntry:
     offset: int
     dtype: str
     shape: tuple[int, ...]
-    crc32: int
+    crc: int
+    """CRC32C of the tensor's bytes alone."""
 
 
 @dataclass(frozen=True)
@@ -142,17 +151,41 @@ class SnapshotHeader:
     ledger, policy state)."""
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "meta": self.meta, "entries": {
-            k: [e.offset, e.dtype, list(e.shape), e.crc32] for k, e in self.entries.items()}})
+        return json.dumps({"step": self.step, "meta": self.meta, "checksum": CRC32C,
+                           "entries": {k: [e.offset, e.dtype, list(e.shape), e.crc]
+                                       for k, e in self.entries.items()}})
 
     @classmethod
     def from_json(cls, text: str) -> SnapshotHeader:
+        """ValueError for a header of another checksum (a snapshot an older moc left in
+        memory, with zlib CRC32s): it is then no recovery source, storage is."""
         d = json.loads(text)
+        if d.get("checksum") != CRC32C:
+            raise ValueError(f"snapshot checksums are {d.get('checksum')!r}, not {CRC32C}")
         return cls(int(d["step"]), {k: SlotEntry(int(o), str(t), tuple(s), int(c))
                                     for k, (o, t, s, c) in d["entries"].items()}, d["meta"])
 
 
-def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+SLOT_SLACK = 64 << 10
+"""Bytes a slot is reserved beyond its first snapshot (and 1/256 of its size more). A
+state's size is not fixed to the byte: the optimizer's param groups travel as JSON whose
+length follows the learning rate's digits (1535 bytes at one step, 1583 at the next).
+A slot sized exactly was
+reallocated, remapped and faulted in again (51k page faults for 211 MB) whenever that
+happened, and every free slot with it: most of a checkpoint's CPU time before issue 15."""
+
+
+def slot_capacity(size: int) -> int:
+    """The bytes a slot is reserved at for a snapshot of `size`: SLOT_SLACK and 1/256
+    more, in whole pages (a larger snapshot later grows the slot, once)."""
+    if not size:
+        return 0
+    return -(-(size + SLOT_SLACK + size // 256) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def slot_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    """Where each tensor lies in a slot (in order, each at a multiple of ALIGN), and the
+    bytes they need."""
     offsets, size = {}, 0
     for key, t in tensors.items():
         offsets[key] = size
@@ -180,6 +213,7 @@ class SnapshotStore:
         self.n_slots = n_slots
         self._checked = False  # the directories passed `secure_dir` (see `_secure`)
         self._maps: dict[int, torch.Tensor] = {}
+        self._inodes: dict[int, int] = {}  # the file each mapping maps
         self._pinned: set[int] = set()
         self._reserved = -1  # the slot size every free slot has been reserved at
 
@@ -198,15 +232,21 @@ class SnapshotStore:
 
     def _map(self, slot: int, size: int, allocate: bool = False) -> torch.Tensor:
         """The slot's bytes as a shared mapping, kept for reuse. A writer (`allocate`)
-        sizes the file and reserves its pages up front: tmpfs allocates lazily, and a
-        full /dev/shm would otherwise kill the process with SIGBUS mid-copy instead of
-        failing here with ENOSPC. A reader maps what is there, never resizing it."""
+        gets a mapping of at least `size` bytes: the slot's file is sized to
+        `slot_capacity(size)` and its pages reserved up front (tmpfs allocates lazily,
+        and a full /dev/shm would otherwise kill the process with SIGBUS mid-copy instead
+        of failing here with ENOSPC); a slot that is already large enough is used as it
+        is. A reader maps the file as it is (`size`: its length), never resizing it."""
         buf = self._maps.get(slot)
-        if buf is None or buf.numel() != size:
-            self._unmap(slot)
-            self._secure(create=True)
-            path = self.bin_path(slot)
-            if allocate and (not path.exists() or path.stat().st_size != size):
+        if buf is not None and (buf.numel() >= size if allocate else buf.numel() == size):
+            return buf
+        self._unmap(slot)
+        self._secure(create=True)
+        path = self.bin_path(slot)
+        if allocate:
+            have = path.stat().st_size if path.exists() else -1
+            if have < size:
+                size = slot_capacity(size)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                 try:
                     os.ftruncate(fd, size)
@@ -219,8 +259,11 @@ class SnapshotStore:
                         "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
                 finally:
                     os.close(fd)
-            buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-            self._maps[slot] = buf
+            else:
+                size = have
+        buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self._maps[slot] = buf
+        self._inodes[slot] = path.stat().st_ino
         return buf
 
     def _unmap(self, slot: int) -> None:
@@ -265,100 +308,138 @@ class SnapshotStore:
     def headers(self) -> dict[int, SnapshotHeader]:
         """Complete snapshots by slot (a slot without a readable header is not one)."""
         out: dict[int, SnapshotHeader] = {}
-        if not self._secure(create=False):
-            return out
         for slot in range(self.n_slots):
-            try:
-                out[slot] = SnapshotHeader.from_json(self.header_path(slot).read_text())
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+            header = self.header(slot)
+            if header is not None:
+                out[slot] = header
         return out
+
+    def header(self, slot: int) -> SnapshotHeader | None:
+        """The header of `slot` if it holds a complete snapshot, else None."""
+        if not self._secure(create=False):
+            return None
+        try:
+            return SnapshotHeader.from_json(self.header_path(slot).read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def write(self, slot: int, step: int, tensors: dict[str, torch.Tensor],
               meta: dict[str, Any], ready: Any = None,
-              sizing: dict[str, torch.Tensor] | None = None) -> SnapshotHeader:
+              sizing: dict[str, torch.Tensor] | None = None,
+              phases: Phases | None = None) -> SnapshotHeader:
         """Copy `tensors` into `slot` and publish its header. Blocks until done.
 
-        GPU tensors are copied on a side stream that first waits for `ready` (a CUDA
-        event recorded on the training stream when the checkpoint was requested), into
-        the slot's mapping registered as pinned memory, so the copies are asynchronous
-        DMA that overlaps the next forward and backward.
+        CPU tensors are copied a chunk at a time, each chunk's CRC32C taken right
+        behind it. GPU tensors are copied on a side stream that first waits for `ready`
+        (a CUDA event recorded on the training stream when the checkpoint was
+        requested), into the slot's mapping registered as pinned memory, so the copies
+        are asynchronous DMA that overlaps the next forward and backward; their
+        checksums follow, from host memory. `phases` gets "reserve" (the slot's memory:
+        a one-time cost), "copy" (with the checksums, on a CPU), "checksum" (on a GPU)
+        and "header".
         """
+        phases = phases if phases is not None else Phases()
         self.header_path(slot).unlink(missing_ok=True)  # the slot is now incomplete
         # Laid out for the whole state (`sizing`), so that partial snapshots of different
         # experts reuse the slot as it is instead of resizing it.
-        offsets, size = _layout(sizing if sizing is not None else tensors)
-        buf = self._map(slot, size, allocate=True)
+        offsets, size = slot_layout(sizing if sizing is not None else tensors)
+        with phases("reserve"):
+            buf = self._map(slot, size, allocate=True)
+            self._reserve_free_slots(size)
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
-        on_gpu = device is not None
-        # The current device is per thread, and this runs on the snapshot thread: name
-        # the rank's device, or a rank on cuda:1 would pin, make its stream and copy
-        # against cuda:0, and synchronize a stream its copies never ran on.
-        with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
-            views = self._copy(slot, buf, offsets, tensors, ready, on_gpu)
-        entries = {}
-        for key, t in tensors.items():
-            entries[key] = SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
-                                     tuple(t.shape), zlib.crc32(tensor_bytes(views[key])))
+        if device is None:
+            with phases("copy"):
+                crcs = copy_and_checksum(buf, offsets, tensors)
+        else:
+            # The current device is per thread, and this runs on the snapshot thread:
+            # name the rank's device, or a rank on cuda:1 would pin, make its stream and
+            # copy against cuda:0, and synchronize a stream its copies never ran on.
+            with torch.cuda.device(device), phases("copy"):
+                views = self._copy_gpu(slot, buf, offsets, tensors, ready)
+            with phases("checksum"):
+                crcs = {key: crc(tensor_bytes(v)) for key, v in views.items()}
+        entries = {key: SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
+                                  tuple(t.shape), crcs[key]) for key, t in tensors.items()}
         header = SnapshotHeader(step, entries, meta)
-        write_private(self.header_path(slot), header.to_json())  # complete from here on
-        self._reserve_free_slots(size)
+        with phases("header"):
+            write_private(self.header_path(slot), header.to_json())  # complete from here on
         return header
 
-    def _copy(self, slot: int, buf: torch.Tensor, offsets: dict[str, int],
-              tensors: dict[str, torch.Tensor], ready: Any, on_gpu: bool
-              ) -> dict[str, torch.Tensor]:
-        """Copy every tensor to its offset in `buf`; the slot's views of them. On a GPU
-        (inside the rank's device context): a side stream that waits for `ready`, into
-        the pinned mapping, and a wait for that stream before returning."""
-        stream = None
-        if on_gpu:
-            self._pin(slot, buf)
-            stream = torch.cuda.Stream()
-            if ready is not None:
-                stream.wait_event(ready)
+    def _copy_gpu(self, slot: int, buf: torch.Tensor, offsets: dict[str, int],
+                  tensors: dict[str, torch.Tensor], ready: Any) -> dict[str, torch.Tensor]:
+        """Copy every tensor to its offset in `buf` (inside the rank's device context):
+        a side stream that waits for `ready`, into the pinned mapping, and a wait for
+        that stream before returning; the slot's views of them."""
+        self._pin(slot, buf)
+        stream = torch.cuda.Stream()
+        if ready is not None:
+            stream.wait_event(ready)
         views = {}
-        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+        with torch.cuda.stream(stream):
             for key, t in tensors.items():
                 n = t.numel() * t.element_size()
                 dst = buf[offsets[key]:offsets[key] + n]
                 if n:
-                    dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=on_gpu)
+                    dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
                 views[key] = dst
-        if stream is not None:
-            stream.synchronize()  # blocks this (background) thread until the DMA is done
+        stream.synchronize()  # blocks this (background) thread until the DMA is done
         return views
 
     def _reserve_free_slots(self, size: int) -> None:
-        """Reserve every other slot at this size once, right after the first copy: a
-        node short of shared memory then fails at the first checkpoint, not hours later
-        when a slow persist first needs the third slot, and later snapshots never pay
-        for allocation. A slot holding a complete snapshot (a recovery source) is left
-        as it is."""
-        if self._reserved == size:
+        """Reserve every other slot for snapshots of this size once, before the first
+        copy: a node short of shared memory then fails at the first checkpoint, not
+        hours later when a slow persist first needs the third slot, and later snapshots
+        never pay for allocation. A slot holding a complete snapshot (a recovery source)
+        is left as it is."""
+        if 0 <= size <= self._reserved:
             return
         headers = self.headers()
         for slot in range(self.n_slots):
             if slot not in headers:
                 self._map(slot, size, allocate=True)
-        self._reserved = size
+        self._reserved = slot_capacity(size)
 
-    def read(self, slot: int, header: SnapshotHeader, verify: bool = True
-             ) -> dict[str, torch.Tensor]:
-        """Views of a complete snapshot's tensors (checked against their CRC32)."""
+    def read(self, slot: int, header: SnapshotHeader, verify: bool = True,
+             keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Views of a complete snapshot's tensors (checked against their CRC32C), or of
+        those of `keys` alone."""
         self._secure(create=False)
-        size = self.bin_path(slot).stat().st_size
-        buf = self._map(slot, size)
+        st = self.bin_path(slot).stat()
+        if self._inodes.get(slot) != st.st_ino:  # a new file (a reader keeps its maps)
+            self._unmap(slot)
+        buf = self._map(slot, st.st_size)
         out = {}
-        for key, e in header.entries.items():
+        for key in header.entries if keys is None else keys:
+            e = header.entries[key]
             dtype = DTYPE_NAMES[e.dtype]
             n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
             raw = buf[e.offset:e.offset + n]
-            if verify and zlib.crc32(tensor_bytes(raw)) != e.crc32:
+            if verify and crc(tensor_bytes(raw)) != e.crc:
                 raise CheckpointError(f"snapshot {self.dir}/slot-{slot} step {header.step}: "
                                       f"checksum mismatch for {key!r}")
             out[key] = raw.view(dtype).view(e.shape)
         return out
+
+
+def copy_and_checksum(buf: torch.Tensor, offsets: dict[str, int],
+                       tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Copy CPU tensors to their offsets in `buf`, COPY_CHUNK bytes at a time, each
+    chunk's CRC32C taken while it is in cache; the CRC32C of each tensor's bytes. Both
+    the copy and the CRC release the GIL."""
+    mem = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    crcs = {}
+    for key, t in tensors.items():
+        src = t.detach()
+        n = src.numel() * src.element_size()
+        value, at = 0, offsets[key]
+        if n:
+            flat = src.contiguous().reshape(-1).view(torch.uint8)
+            for i in range(0, n, COPY_CHUNK):
+                j = min(n, i + COPY_CHUNK)
+                buf[at + i:at + j].copy_(flat[i:j])
+                value = crc(mem[at + i:at + j], value)
+        crcs[key] = value
+    return crcs
 
 
 def claim_job(job: str) -> Path:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.recovery import CheckpointReader
-from moc.checkpoint.store.format import write_safetensors
+from moc.checkpoint.store.format import descriptor, write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import MANIFEST, rank_file, step_dir
 from moc.checkpoint.sync import Checkpointer
@@ -146,7 +146,7 @@ def test_an_entry_naming_a_file_outside_the_directory_is_corrupt(ckpt_dir, forei
     outside = step_dir(foreign, 2) / rank_file(0)
     name = str(outside) if how == "absolute" else os.path.relpath(outside, step_dir(ckpt_dir, 2))
     for key, entry in d["entries"].items():  # the foreign weights, with their own CRCs
-        entry.update(file=name, crc32=theirs["entries"][key]["crc32"])
+        entry.update(file=name, crc32c=theirs["entries"][key]["crc32c"])
     _write_manifest(ckpt_dir, 2, d)
     _assert_verify_flags_step_2(ckpt_dir, "rank-NNNNN.safetensors")
     _assert_step_2_rejected(ckpt_dir, "rank-NNNNN.safetensors")
@@ -166,7 +166,7 @@ def test_a_step_directory_that_is_a_symlink_out_of_the_directory_is_corrupt(
 def test_a_tensor_file_that_is_a_symlink_is_corrupt(ckpt_dir, foreign):
     d, theirs = _manifest(ckpt_dir, 2), _manifest(foreign, 2)
     for key, entry in d["entries"].items():
-        entry["crc32"] = theirs["entries"][key]["crc32"]
+        entry["crc32c"] = theirs["entries"][key]["crc32c"]
     _write_manifest(ckpt_dir, 2, d)
     (step_dir(ckpt_dir, 2) / rank_file(0)).unlink()
     (step_dir(ckpt_dir, 2) / rank_file(0)).symlink_to(step_dir(foreign, 2) / rank_file(0))
@@ -213,24 +213,57 @@ def test_a_shape_swapped_in_the_header_only_is_corrupt(ckpt_dir):
     _assert_step_2_rejected(ckpt_dir, "the manifest records")
 
 
-def test_version_1_manifests_with_data_only_crcs_still_restore_and_continue(ckpt_dir):
-    """A version-1 manifest's crc32 is the CRC32 of the bytes alone."""
+def _older_manifests(ckpt_dir: Path, version: int) -> None:
+    """Steps 1 and 2 rewritten as an older moc wrote them: zlib CRC32s ("crc32"), of the
+    bytes alone (version 1) or extended over dtype and shape (version 2)."""
     for step in (1, 2):
         d = _manifest(ckpt_dir, step)
         tensors = load_file(step_dir(ckpt_dir, step) / rank_file(0))
         for key, entry in d["entries"].items():
             t = tensors[key].reshape(-1)
-            entry["crc32"] = zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
-        d["version"] = 1
+            data = zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
+            del entry["crc32c"]
+            entry["crc32"] = data if version == 1 else zlib.crc32(
+                descriptor(entry["dtype"], tuple(entry["shape"])), data)
+        d["version"] = version
         _write_manifest(ckpt_dir, step, d)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_manifests_with_zlib_crcs_still_restore_and_continue(ckpt_dir, version):
+    _older_manifests(ckpt_dir, version)
     assert verify_checkpoints(ckpt_dir).ok
     ckpt = _ckpt(ckpt_dir)
     assert ckpt.restore().step == 2
-    ckpt.save(3, {"step": 3})  # a new version-2 step, on top of the version-1 chain
+    ckpt.save(3, {"step": 3})  # a new version-3 step, on top of the older chain
     ckpt.close()
-    assert _manifest(ckpt_dir, 3)["version"] == 2
+    d = _manifest(ckpt_dir, 3)
+    assert d["version"] == 3
+    # What step 3 wrote has CRC32Cs; what it inherits keeps the older step's CRC32.
+    algos = {e["step"]: {a for a in ("crc32", "crc32c") if a in e} for e in d["entries"].values()}
+    assert algos[3] == {"crc32c"} and all(a == {"crc32"} for s, a in algos.items() if s < 3)
     assert verify_checkpoints(ckpt_dir).ok
     assert _ckpt(ckpt_dir).restore().step == 3
+
+
+def test_a_zlib_crc_is_still_checked(ckpt_dir):
+    """An inherited version-2 checksum is a real check, not a pass: a flipped byte in a
+    file of a version-2 step fails it."""
+    _older_manifests(ckpt_dir, 2)
+    path = step_dir(ckpt_dir, 2) / rank_file(0)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _assert_verify_flags_step_2(ckpt_dir, "checksum mismatch")
+
+
+def test_a_version_2_manifest_may_not_claim_crc32c(ckpt_dir):
+    """Version 2 knew only "crc32": a version-2 manifest with "crc32c" entries is not
+    one moc wrote."""
+    d = _manifest(ckpt_dir, 2)
+    d["version"] = 2
+    _write_manifest(ckpt_dir, 2, d)
+    _assert_step_2_rejected(ckpt_dir, "crc32")
 
 
 # -- item 13: every manifest field is validated; malformed is corrupt
@@ -280,7 +313,7 @@ MALFORMED = {
     "entry step newer than the manifest": _set("entries.param/x.step", 5),
     "entry step negative": _set("entries.param/x.step", -1),
     "entry shape with a bool": _set("entries.param/x.shape", [True, 2]),
-    "entry crc a float": _set("entries.param/x.crc32", 7.5),
+    "entry crc a float": _set("entries.param/x.crc32c", 7.5),
     "entry dtype unknown": _set("entries.param/x.dtype", "F8"),
     "files size a string": _set("files", {rank_file(0): "100"}),
     "files name not a rank file": _set("files", {"x.bin": 100}),
@@ -310,7 +343,7 @@ def test_duplicate_json_keys_are_corrupt():
         Manifest.from_json(text.replace('{', '{"mode": "evil", ', 1), "m")
 
 
-@pytest.mark.parametrize("version", [0, 3, 99])
+@pytest.mark.parametrize("version", [0, 4, 99])
 def test_another_int_version_is_incompatible(version):
     with pytest.raises(IncompatibleCheckpointError, match="format version"):
         Manifest.from_json(_tampered_manifest(_set("version", version)), "m")
@@ -411,7 +444,7 @@ def test_files_stay_standard_safetensors_and_read_back_bitwise(tmp_path):
     records = write_safetensors(path, tensors)
     loaded = load_file(path)
     manifest = Manifest(step=1, mode="blocking", layout={}, model={},
-                        entries={k: Entry(1, rank_file(0), r.dtype, r.shape, r.crc32)
+                        entries={k: Entry(1, rank_file(0), r.dtype, r.shape, r.crc)
                                  for k, r in records.items()})
     reader = CheckpointReader(tmp_path, manifest)
     for key, t in tensors.items():

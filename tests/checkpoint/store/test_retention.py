@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.store import retention
-from moc.checkpoint.store.format import crc32, write_safetensors
+from moc.checkpoint.store.format import tensor_checksum, write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.retention import (
     SUPERSEDED,
@@ -187,9 +187,9 @@ def _save(root: Path, step: int, refs: set[int]) -> None:
     tmp = begin_step(root, step)
     name = rank_file(0)
     records = write_safetensors(tmp / name, {f"k/{step}": _value(step)})
-    entries = {k: Entry(step, name, r.dtype, r.shape, r.crc32) for k, r in records.items()}
+    entries = {k: Entry(step, name, r.dtype, r.shape, r.crc) for k, r in records.items()}
     for old in refs - {step}:  # where _save(root, old, ...) wrote it, demoted or not
-        entries[f"k/{old}"] = Entry(old, name, "F32", (3,), crc32(_value(old)))
+        entries[f"k/{old}"] = Entry(old, name, "F32", (3,), tensor_checksum(_value(old)))
     manifest = Manifest(step=step, mode="pec", layout={"world_size": 1, "ep": 1},
                         model={"d_model": 8}, entries=entries)
     commit_step(root, step, manifest.to_json())

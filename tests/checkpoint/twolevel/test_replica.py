@@ -120,7 +120,7 @@ def test_replica_store_has_two_slots_under_its_source_and_keeps_the_snapshot_rul
     assert store.n_slots == REPLICA_SLOTS == 2 and store.dir.name == "replica-00003"
     assert SnapshotStore(JOB, 3).dir.name == "rank-00003"  # existing callers unchanged
     slot, buf = store._begin(16)
-    assert buf.numel() == 16 and store.headers() == {}
+    assert buf.numel() >= 16 and store.headers() == {}
     assert store.dir.stat().st_mode & 0o777 == 0o700
     assert store.bin_path(slot).stat().st_mode & 0o777 == 0o600
     with pytest.raises(ValueError, match="one directory name"):
@@ -180,7 +180,7 @@ def test_the_stream_is_the_compact_layout_whatever_the_chunk(chunk):
         e = got.entries[key]
         raw = stream[e.offset:e.offset + t.numel() * t.element_size()]
         assert torch.equal(raw.view(t.dtype).view(t.shape), t), key
-        assert e.crc32 == header.entries[key].crc32  # the snapshot's own checksums
+        assert e.crc == header.entries[key].crc  # the snapshot's own checksums
 
 
 def test_a_damaged_or_misdirected_frame_is_refused_and_its_bytes_announced():
@@ -188,7 +188,7 @@ def test_a_damaged_or_misdirected_frame_is_refused_and_its_bytes_announced():
     frame = out.frame.clone()
     frame[10] ^= 1
     damaged = _Incoming.parse(0, out.prefix, frame)
-    assert "CRC32 does not match" in damaged.problem and damaged.size == out.size
+    assert "CRC32C does not match" in damaged.problem and damaged.size == out.size
     assert "comes from rank 0" in _Incoming.parse(1, out.prefix, out.frame).problem
     short = out.prefix.clone()
     short[4] -= 8

@@ -30,6 +30,8 @@ def test_auto_takes_the_largest_k_whose_copy_fits_the_window():
     assert choice["k_snapshot"] == 3
     assert choice["copy_Bps"] == pytest.approx(20_000)
     assert (choice["window_s"], choice["plan_s"]) == (0.6, 0.1)
+    # Why not N, in numbers: the snapshot's size, the copy's time and bandwidth, the room.
+    assert "0.500 s" in choice["reason"] and "3 of 8 experts" in choice["reason"]
 
 
 def test_auto_never_goes_below_k_persist_nor_above_n():
@@ -38,7 +40,7 @@ def test_auto_never_goes_below_k_persist_nor_above_n():
     assert tight["k_snapshot"] == 2  # the persist reads its experts from the snapshot
     roomy = choose_k(_header(), seconds=1.0, window=60.0, plan_s=0.0, stems=STEMS,
                      n_experts=N, n_moe_layers=LAYERS, floor=1)
-    assert roomy["k_snapshot"] == N
+    assert roomy["k_snapshot"] == N and roomy["reason"] is None
 
 
 def test_a_snapshot_holds_its_rotation_plus_what_it_persists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.phases import Phases
+from moc.checkpoint.store.format import crc, tensor_bytes
 from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, remove_stale_jobs
 
 
@@ -149,3 +152,46 @@ def test_a_world_writable_shm_root_without_the_sticky_bit_is_refused(tmp_path, m
         claim_job("job")
     root.chmod(0o1777)  # as /dev/shm: sticky
     claim_job("job")
+
+
+# -- issue 15: checksums while copying, phases, readers that keep their mappings
+
+
+def test_the_checksum_taken_while_copying_is_the_crc32c_of_each_tensor(monkeypatch):
+    """Tensors over several copy chunks, a non-contiguous one, an empty one: each
+    entry's CRC is the CRC32C of exactly its bytes, as a separate pass computes it."""
+    monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", 64)
+    state = {"big": torch.randn(1000), "t": torch.randn(30, 20).t(),
+             "empty": torch.empty(0), "odd": torch.arange(37, dtype=torch.int16)}
+    store = SnapshotStore("job", rank=0)
+    phases = Phases()
+    header = store.write(0, 3, state, {}, phases=phases)
+    for key, t in state.items():
+        assert header.entries[key].crc == crc(tensor_bytes(t.contiguous())), key
+    got = store.read(0, header)  # verify=True checks the same CRCs
+    assert all(torch.equal(got[k], t) for k, t in state.items())
+    assert {"reserve", "copy", "header"} <= set(phases.wall)
+    assert phases.cpu["copy"] > 0
+
+
+def test_a_header_of_another_checksum_is_no_snapshot():
+    """A slot an older moc left in memory (zlib CRC32s, no "checksum" tag) is not a
+    recovery source: it cannot be verified with this one's CRC32C."""
+    store = SnapshotStore("job", rank=0)
+    store.write(0, 3, {"x": torch.arange(4)}, {})
+    d = json.loads(store.header_path(0).read_text())
+    del d["checksum"]
+    store.header_path(0).write_text(json.dumps(d))
+    assert store.headers() == {} and store.header(0) is None
+
+
+def test_a_reader_maps_a_replaced_slot_file_afresh():
+    """The persist process keeps its mappings; a slot file replaced meanwhile (same
+    size, new file) must be read from the new file, not from the old mapping."""
+    writer, reader = SnapshotStore("job", rank=0), SnapshotStore("job", rank=0)
+    first = writer.write(0, 1, {"x": torch.zeros(256)}, {})
+    assert torch.equal(reader.read(0, first)["x"], torch.zeros(256))
+    writer.release()
+    writer.bin_path(0).unlink()
+    again = SnapshotStore("job", rank=0).write(0, 2, {"x": torch.ones(256)}, {})
+    assert torch.equal(reader.read(0, again)["x"], torch.ones(256))
