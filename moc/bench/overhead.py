@@ -25,6 +25,7 @@ import argparse
 import itertools
 import mmap
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -364,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                 bar.note(name if args.repeat == 1 else f"{name}, round {i + 1}")
                 rounds[name].append(run_strategy(name, common, steps, args.interval, workdir,
                                                  args.nodes))
+                # Its figures are taken: a blocking run checkpointing every step leaves
+                # 12 GB of steps behind, and the rounds would fill the disk.
+                shutil.rmtree(workdir)
                 bar.update()
         strategies = {name: _median_of(runs) for name, runs in rounds.items()}
     for r in strategies.values():
