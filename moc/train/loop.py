@@ -315,9 +315,10 @@ class Trainer:
                 ckpt.save(self.step, self.extra_state(), final=final)
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step
-            self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
-                              tokens=tokens, lr=cfg.lr_at(self.step),
-                              cpu_s=time.process_time())
+            if self.is_main:  # the only rank that writes metrics
+                self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
+                                  tokens=tokens, lr=cfg.lr_at(self.step),
+                                  cpu_s=time.process_time())
             note = ""
             if ckpt is not None and ckpt.pending:
                 for res in ckpt.drain_completed():

@@ -189,9 +189,9 @@ class DirectWriter:
     page-aligned buffer (a memcpy: a fraction of what the page cache costs), written
     in whole blocks, and the file is truncated to its length at the end.
 
-    A file system that refuses O_DIRECT (tmpfs, some network and FUSE file systems)
-    is remembered and written the buffered way from then on. One buffer, reused:
-    owned by one thread (the persist process's)."""
+    A file system that refuses O_DIRECT (tmpfs before Linux 6.6, some network and FUSE
+    file systems) is remembered and written the buffered way from then on. One buffer,
+    reused: owned by one thread (the persist process's)."""
 
     CHUNK = 8 << 20
     """Bytes per write: large, and a multiple of every block size."""

@@ -530,23 +530,24 @@ class PersistCache:
     the aligned buffer of its O_DIRECT writes, and the manifest it committed last, which
     the next commit builds on (parsing and validating it again cost more CPU than
     writing it). The manifest is reused only while its file is the very one committed
-    (same inode, size and mtime): anything that replaced it since (a rollback's new
-    chain, a hand edit) is read afresh."""
+    (same inode, size, mtime and ctime): anything that replaced or rewrote it since (a
+    rollback's new chain, a hand edit, even one that set the mtime back: that changes
+    the ctime, which no one can set) is read afresh."""
 
     def __init__(self) -> None:
         self.stores: dict[int, SnapshotStore] = {}
         self.direct = DirectWriter()
-        self._last: tuple[Manifest, tuple[int, int, int]] | None = None
+        self._last: tuple[Manifest, tuple[int, ...]] | None = None
 
     @staticmethod
-    def _signature(root: Path | ObjectPath, step: int) -> tuple[int, int, int] | None:
+    def _signature(root: Path | ObjectPath, step: int) -> tuple[int, ...] | None:
         if isinstance(root, ObjectPath):
             return None  # no cheap identity for an object: always read it
         try:
             st = os.stat(step_dir(root, step) / MANIFEST)
         except OSError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def committed(self, root: Path | ObjectPath, manifest: Manifest) -> None:
         signature = self._signature(root, manifest.step)

@@ -3,6 +3,7 @@ two ranks' snapshots in, one committed step out, every message answered."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -24,6 +25,7 @@ from moc.checkpoint.twolevel.persist import (
 )
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Failed, Persist, Ready
 from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir
+from tests.fs import fill, tmpfs
 
 JOB = "persist-test"
 
@@ -183,24 +185,81 @@ def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, mon
         os.kill(int(pidfile.read_text()), 0)  # killed and reaped
 
 
-def test_a_full_disk_names_the_file_and_the_bytes(tmp_path, monkeypatch):
-    """The persist's writer, wrapped to fail as a full disk does: the error says which
-    file, how many bytes and what to do, not only `[Errno 28]`."""
+def test_a_full_disk_names_the_file_and_the_bytes(tmp_path):
+    """A real full file system (a small tmpfs, filled; it takes O_DIRECT, so this is
+    the direct writer's path): the error says which file, how many bytes and what to
+    do, not only `[Errno 28]`; and a write that failed for space is no reason to stop
+    writing with O_DIRECT."""
     from moc.checkpoint.twolevel import persist
 
-    def full_disk(path, tensors, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(persist, "write_safetensors", full_disk)
     claim_job(JOB)
     state = _snapshot(0, 5, 0)
     ready = {0: Ready(0, 5, 0, list(state), list(state))}
     template = {**_template(5), "layout": {"world_size": 1, "ep": 1}}
-    done = persist._run(JOB, tmp_path / "ckpt", Persist(5, None, template, 1), ready,
-                        os.getpid())
-    assert not done.ok
-    assert done.error == (
-        f"OSError: [Errno 28] could not write {tmp_path}/ckpt/step-00000005.tmp/"
-        "rank-00000.safetensors (48 bytes of rank 0's tensors): No space left on device; "
-        "free space on the checkpoint file system (or keep fewer checkpoints: "
-        "--keep-last); the next checkpoint retries")
+    with tmpfs(tmp_path / "fs", size="1m") as fs:
+        (fs / "ckpt").mkdir()
+        fill(fs)
+        cache = persist.PersistCache()
+        done = persist._run(JOB, fs / "ckpt", Persist(5, None, template, 1), ready,
+                            os.getppid(), cache=cache)
+        assert not done.ok
+        assert done.error == (
+            f"OSError: [Errno 28] could not write {fs}/ckpt/step-00000005.tmp/"
+            "rank-00000.safetensors (48 bytes of rank 0's tensors): No space left on "
+            "device; free space on the checkpoint file system (or keep fewer checkpoints: "
+            "--keep-last); the next checkpoint retries")
+        assert cache.direct.supported
+        (fs / "filler").unlink()  # space again: the same process persists the step
+        done = persist._run(JOB, fs / "ckpt", Persist(5, None, template, 1), ready,
+                            os.getppid(), cache=cache)
+        assert done.ok, done.error
+        assert verify_checkpoints(fs / "ckpt").ok
+
+
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place, mtime set back"])
+def test_a_manifest_changed_between_persists_is_read_again_not_reused(clients, tmp_path,
+                                                                       how):
+    """The persist process keeps the manifest it committed last and builds the next on
+    it; when that file is changed under it (a rollback's new chain, a hand edit, even one
+    that sets the mtime back), the next commit builds on what is on disk now."""
+    rank0, rank1 = clients
+    root = tmp_path / "ckpt"
+
+    def persist(step: int, prev: int | None, rank1_writes: list[str]) -> None:
+        template = _template(step)
+        template["extra"]["note"] = "x" * 16  # room to keep a rewrite at the same length
+        rank0.send(Persist(step, prev, template, world_size=2))
+        state0 = _snapshot(0, step, step % 3)
+        rank0.send(Ready(0, step, step % 3, list(state0), list(state0)))
+        state1 = _snapshot(1, step, step % 3)
+        rank1.send(Ready(1, step, step % 3, rank1_writes, list(state1)))
+        (done,) = rank0.receive(step, block=True)
+        assert done.ok, done.error
+
+    persist(4, None, ["rng/rank=1", "param/w1"])
+    persist(5, 4, ["rng/rank=1", "param/w1"])
+    # Step 5 changes under the process: its param/w1 is now step 4's copy (a valid
+    # chain), the file of the same length.
+    path = root / "step-00000005" / "manifest.json"
+    text = path.read_text()
+    d = json.loads(text)
+    d["entries"]["param/w1"] = json.loads((root / "step-00000004" / "manifest.json"
+                                           ).read_text())["entries"]["param/w1"]
+    d["extra"]["note"] = ""
+    d["extra"]["note"] = "x" * (len(text) - len(json.dumps(d, separators=(",", ":"))))
+    new = json.dumps(d, separators=(",", ":"))
+    assert len(new) == len(text)
+    if how == "replaced":
+        (tmp := path.with_suffix(".new")).write_text(new)
+        os.replace(tmp, path)
+    else:
+        before = path.stat()
+        with open(path, "r+") as f:
+            f.write(new)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = path.stat()
+        assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+            before.st_ino, before.st_size, before.st_mtime_ns)
+    persist(6, 5, ["rng/rank=1"])  # rank 1's weights: from step 5's manifest
+    assert Manifest.load(root, 6).entries["param/w1"].step == 4
+    assert verify_checkpoints(root).ok
