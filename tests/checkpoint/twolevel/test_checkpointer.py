@@ -95,7 +95,18 @@ def test_a_checkpoint_during_a_running_persist_skips_or_waits(tmp_path, monkeypa
     model, opt = _build(0)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1,
                                 persist_policy=policy)
-    records = _train(model, opt, ckpt, 2)
+    records = _train(model, opt, ckpt, 1)
+    ckpt.wait_for_snapshot()  # step 1's plan has sent its persist
+    # However slow this machine, step 1's persist is still running at step 2's plan: its
+    # process is stopped (SIGSTOP) until then. "wait" blocks on it, so it is left alone.
+    pid = ckpt.persist.process.pid
+    if skipped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        records += _train(model, opt, ckpt, 1, start=2)
+        ckpt.wait_for_snapshot()  # step 2's plan is done
+    finally:
+        os.kill(pid, signal.SIGCONT)
     ckpt.flush()
     records += ckpt.drain_completed()
     ckpt.close()
