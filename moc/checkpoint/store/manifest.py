@@ -157,29 +157,11 @@ class Manifest:
 
     @classmethod
     def load(cls, root: Path | ObjectPath, step: int) -> Manifest:
-        path = checked_step_dir(root, step) / MANIFEST
-        if isinstance(path, ObjectPath):
-            try:
-                raw = path.read_bytes(MAX_MANIFEST_BYTES)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{path}: manifest is missing") from None
-            except OSError as e:
-                raise CorruptCheckpointError(f"{path}: cannot read manifest ({e})") from None
-            return cls._decoded(raw, path, step)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            what = "is a symbolic link" if os.path.islink(path) else e.strerror
-            raise CorruptCheckpointError(f"{path}: cannot read manifest ({what})") from None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-        except OSError as e:
-            raise CorruptCheckpointError(f"{path}: cannot read manifest ({e.strerror})") from None
-        return cls._decoded(raw, path, step)
+        return cls.decode(*read_manifest(root, step), step)
 
     @classmethod
-    def _decoded(cls, raw: bytes, path: Path | ObjectPath, step: int) -> Manifest:
+    def decode(cls, raw: bytes, path: Path | ObjectPath, step: int) -> Manifest:
+        """The manifest of `step` from the bytes `read_manifest` returned."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}: over {MAX_MANIFEST_BYTES} bytes; not a "
                                          "manifest")
@@ -200,6 +182,29 @@ class Manifest:
 
 MAX_DIFFS_SHOWN = 5
 """A different width changes every parameter's shape; the first few say enough."""
+
+
+def read_manifest(root: Path | ObjectPath, step: int) -> tuple[bytes, Path | ObjectPath]:
+    """The bytes of `step`'s manifest file, unparsed, and its path (a symbolic link or
+    an oversized file is refused as a corrupt step)."""
+    path = checked_step_dir(root, step) / MANIFEST
+    if isinstance(path, ObjectPath):
+        try:
+            return path.read_bytes(MAX_MANIFEST_BYTES), path
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: manifest is missing") from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: cannot read manifest ({e})") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        what = "is a symbolic link" if os.path.islink(path) else e.strerror
+        raise CorruptCheckpointError(f"{path}: cannot read manifest ({what})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1), path
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read manifest ({e.strerror})") from None
 
 
 def check_model(saved: dict[str, Any], now: dict[str, Any], source: str) -> None:

@@ -49,13 +49,11 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import DirectWriter, write_safetensors
-from moc.checkpoint.store.manifest import Entry, Manifest
+from moc.checkpoint.store.manifest import Entry, Manifest, read_manifest
 from moc.checkpoint.store.steps import (
-    MANIFEST,
     begin_step,
     commit_step,
     rank_file,
-    step_dir,
     tmp_dir,
 )
 from moc.checkpoint.twolevel.commit import (
@@ -521,7 +519,7 @@ def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
     except OSError as e:
         raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
                                 f"of {len(text.encode())} bytes)") from None
-    cache.committed(root, manifest)
+    cache.committed(manifest, text)
 
 
 class PersistCache:
@@ -529,35 +527,24 @@ class PersistCache:
     slots, mapped once (a fresh mapping per persist costs a page fault per 4 KiB read),
     the aligned buffer of its O_DIRECT writes, and the manifest it committed last, which
     the next commit builds on (parsing and validating it again cost more CPU than
-    writing it). The manifest is reused only while its file is the very one committed
-    (same inode, size, mtime and ctime): anything that replaced or rewrote it since (a
-    rollback's new chain, a hand edit, even one that set the mtime back: that changes
-    the ctime, which no one can set) is read afresh."""
+    writing it). The manifest is reused only while the file holds the very bytes
+    committed: reading them is cheap, and anything that replaced or rewrote it since (a
+    rollback's new chain, a hand edit, even one that kept its size and set its mtime
+    back) is parsed afresh. No file metadata is trusted for this."""
 
     def __init__(self) -> None:
         self.stores: dict[int, SnapshotStore] = {}
         self.direct = DirectWriter()
-        self._last: tuple[Manifest, tuple[int, ...]] | None = None
+        self._last: tuple[Manifest, bytes] | None = None
 
-    @staticmethod
-    def _signature(root: Path | ObjectPath, step: int) -> tuple[int, ...] | None:
-        if isinstance(root, ObjectPath):
-            return None  # no cheap identity for an object: always read it
-        try:
-            st = os.stat(step_dir(root, step) / MANIFEST)
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    def committed(self, root: Path | ObjectPath, manifest: Manifest) -> None:
-        signature = self._signature(root, manifest.step)
-        self._last = (manifest, signature) if signature is not None else None
+    def committed(self, manifest: Manifest, text: str) -> None:
+        self._last = (manifest, text.encode())
 
     def manifest(self, root: Path | ObjectPath, step: int) -> Manifest:
-        if self._last is not None and self._last[0].step == step and (
-                self._signature(root, step) == self._last[1]):
+        raw, path = read_manifest(root, step)
+        if self._last is not None and self._last[0].step == step and raw == self._last[1]:
             return self._last[0]
-        return Manifest.load(root, step)
+        return Manifest.decode(raw, path, step)
 
 
 def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready], phases: Phases,
