@@ -36,6 +36,7 @@ import torch
 
 from moc.bench.plots import publish, train_run
 from moc.progress import progress
+from moc.train.config import in_checkpoint_block
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
@@ -140,14 +141,32 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def paired_steps(step_times: dict[int, float], blocks: int, after: int
+                 ) -> tuple[list[float], list[float]]:
+    """Step times of a `--ckpt-blocks` run after step `after`, split into those of the
+    checkpointing blocks and those of the blocks between, each block's first step left
+    out (it carries the previous block's regime: the persist of its last checkpoint, or
+    the first snapshot's wait)."""
+    on, off = [], []
+    for s, t in sorted(step_times.items()):
+        if s > after and s % blocks:
+            (on if in_checkpoint_block(s, blocks) else off).append(t)
+    return on, off
+
+
 def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path,
-                 nodes: int = 1) -> dict[str, Any]:
+                 nodes: int = 1, paired: int = 0) -> dict[str, Any]:
+    """One run of `name` and its figures. With `paired` = B > 0 the run checkpoints in
+    every other block of B steps (`--ckpt-blocks B`); its throughput is then also taken
+    inside the run, blocks without checkpoints over blocks with them, and its
+    step-time means (and `none`'s) are over the checkpointing blocks' steps alone."""
+    blocks = ["--ckpt-blocks", str(paired)] if paired and name != "none" else []
     fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank", "1",
                                        "--max-restarts", "1"]
     if name in PEERS:  # the last node is lost: its ranks come back from their peers
         fault = ["--fault-at", str(steps), "--fault-kind", "node", "--fault-node",
                  str(nodes - 1), "--max-restarts", "1"]
-    events = train_run([*common, *STRATEGIES[name], *fault], workdir)
+    events = train_run([*common, *STRATEGIES[name], *blocks, *fault], workdir)
     first_attempt = []
     for e in events:
         if e["event"] == "recovery":
@@ -167,22 +186,38 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         # the disk rather than the page cache.
         drop_page_cache(workdir / "ckpt")
         before = len(recoveries)
-        more = [e for e in train_run([*common, *STRATEGIES[name]], workdir)
+        more = [e for e in train_run([*common, *STRATEGIES[name], *blocks], workdir)
                 if e["event"] == "recovery"][before:]
         if more:
             restore["storage"] = more[0]["recovery_s"]
-    plain = [t for s, t in step_times.items() if s % interval]
-    with_ckpt = [t for s, t in step_times.items() if s % interval == 0]
+    # The steps that checkpoint (that would, in `none`).
+    due = {s for s in step_times if s % interval == 0 and in_checkpoint_block(s, paired)}
+    plain = [t for s, t in step_times.items() if s not in due]
+    with_ckpt = [t for s, t in step_times.items() if s in due]
     # Steady state: after the third checkpoint every snapshot slot has been reserved and
     # the chain's first (complete) persist is written; what a long run pays per interval.
-    steady = [t for s, t in step_times.items() if s > WARMUP_CHECKPOINTS * interval]
+    warm = WARMUP_CHECKPOINTS * interval
+    regime = step_times  # the steps whose mean is the strategy's step time
+    paired_figures: dict[str, float | None] = {}
+    if paired:
+        # The first checkpointing block holds the warm-up; `none` is measured on the
+        # same steps as the others' checkpointing blocks.
+        warm = max(warm, 2 * paired)
+        regime = {s: t for s, t in step_times.items() if in_checkpoint_block(s, paired)}
+        on, off = paired_steps(step_times, paired, warm)
+        paired_figures = {"paired_on_s": statistics.mean(on) if on else None,
+                          "paired_off_s": statistics.mean(off) if off else None,
+                          "paired_steps": min(len(on), len(off))}
+        if name != "none" and on and off:
+            paired_figures["paired_throughput"] = statistics.mean(off) / statistics.mean(on)
+    steady = [t for s, t in regime.items() if s > warm]
     stalls = [e["stall_s"] for e in ckpts]
     # Rank 0's process CPU per step (every thread: training, snapshot, collectives), and
     # each checkpoint's own accounting: rank 0's snapshot thread, its node's persist.
     cpu = [e.get("cpu_s") for e in first_attempt if e["event"] == "step"]
     steady_cpu = [b - a for i, (a, b) in enumerate(itertools.pairwise(cpu), 2)
-                  if a is not None and b is not None and i > WARMUP_CHECKPOINTS * interval]
-    steady_ckpts = [e for e in ckpts if e["step"] > WARMUP_CHECKPOINTS * interval]
+                  if a is not None and b is not None and i > warm and i in regime]
+    steady_ckpts = [e for e in ckpts if e["step"] > warm]
     persisted = [(e, e["stall_s"] if name in SYNCHRONOUS else e.get("persist_s"))
                  for e in ckpts]
     persist = [t for _, t in persisted if t is not None]
@@ -193,7 +228,7 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "stall_p90_s": _quantile(stalls, 0.9),
         "step_time_s": statistics.median(plain) if plain else None,
         "step_time_ckpt_s": statistics.median(with_ckpt) if with_ckpt else None,
-        "mean_step_time_s": statistics.mean(step_times.values()),
+        "mean_step_time_s": statistics.mean(regime.values()),
         "mean_step_time_steady_s": statistics.mean(steady) if steady else None,
         "bytes_per_ckpt": int(statistics.median(e["bytes"] for e in later)) if later else None,
         "imbalance": (statistics.median(e["imbalance"] for e in later if e.get("imbalance"))
@@ -223,6 +258,7 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "snapshot_bytes": summary.get("snapshot_bytes"),
         "peak_rss_bytes": summary.get("peak_rss_bytes"),
         "checkpoints": len(ckpts),
+        **paired_figures,
     }
 
 
@@ -254,10 +290,13 @@ def markdown(result: dict[str, Any]) -> str:
     # Across nodes: the peer tier's columns (replica bytes and time, restore from a peer).
     peers = any(r.get("replica_bytes_per_rank") or r.get("restore_peer_s") for r in s.values())
     extra = " replica/ckpt/rank | replica time | restore peer |" if peers else ""
+    # With --paired: each strategy's throughput inside its own run.
+    paired = any("paired_on_s" in r for r in s.values())
     lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
-             "| throughput | steady | bytes/ckpt | imbalance | persist | persist/disk "
+             "| throughput | steady |" + (" paired |" if paired else "")
+             + " bytes/ckpt | imbalance | persist | persist/disk "
              "| restore storage | restore memory | ckpt host memory |" + extra,
-             "| --- | " + " | ".join(["---:"] * (17 if peers else 14)) + " |"]
+             "| --- | " + " | ".join(["---:"] * (14 + 3 * peers + paired)) + " |"]
     for name, r in s.items():
         ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
                  else None)
@@ -274,7 +313,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {fmt(r['step_time_s'])} | {fmt(r['step_time_ckpt_s'])} "
             f"| {fmt(thr, '', 3) if thr else '-'} "
             f"| {fmt(thr_steady, '', 3) if thr_steady else '-'} "
-            f"| {fmt(None if r['bytes_per_ckpt'] is None else r['bytes_per_ckpt'] / 1e6, 'MB', 1)} "
+            + (f"| {fmt(r.get('paired_throughput'), '', 3)} " if paired else "")
+            + f"| {fmt(_mb(r['bytes_per_ckpt']), 'MB', 1)} "
             f"| {fmt(r['imbalance'], '', 3)} | {fmt(r['persist_s'])} "
             f"| {fmt(r.get('persist_fraction_of_disk'), '', 2)} "
             f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |"
@@ -332,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all strategies, interleaved; figures are the median "
                         "over rounds (this machine is shared and noisy)")
+    p.add_argument("--paired", type=int, default=0, metavar="B",
+                   help="also measure each strategy against itself in one run: it "
+                        "checkpoints only in every other block of B steps (moc train "
+                        "--ckpt-blocks B), and the 'paired' column is its blocks without "
+                        "checkpoints over its blocks with them, free of the drift between "
+                        "runs; throughput and steady are then over the checkpointing "
+                        "blocks' steps (default 0: off)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="bar chart of stall and throughput (matplotlib)")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
@@ -340,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.nodes < 1:
         p.error(f"--nodes must be >= 1, got {args.nodes}")
+    if args.paired < 0 or args.paired == 1:
+        p.error(f"--paired must be 0 (off) or a block of >= 2 steps, got {args.paired}")
     if args.strategies is None:
         args.strategies = ([n for n in STRATEGIES if n not in PEERS] if args.nodes == 1
                            else ["none", "moc", *PEERS])
@@ -364,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                 workdir.mkdir()
                 bar.note(name if args.repeat == 1 else f"{name}, round {i + 1}")
                 rounds[name].append(run_strategy(name, common, steps, args.interval, workdir,
-                                                 args.nodes))
+                                                 args.nodes, args.paired))
                 # Its figures are taken: a blocking run checkpointing every step leaves
                 # 12 GB of steps behind, and the rounds would fill the disk.
                 shutil.rmtree(workdir)
@@ -376,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {"preset": args.config, "nodes": args.nodes, "nproc": args.nproc,
                          "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
+                         "paired": args.paired,
                          "wall_s": time.perf_counter() - t0},
               "limits": limits, "strategies": strategies,
               # Each round's figures: on a shared machine the spread between rounds is
@@ -383,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": rounds}
     publish("moc bench overhead",
             [("config", f"{args.config}, {args.nodes} node(s) x {args.nproc} ranks, {steps} "
-                        f"steps, a checkpoint every {args.interval}"),
+                        f"steps, a checkpoint every {args.interval}"
+                        + (f", in every other block of {args.paired} steps" if args.paired
+                           else "")),
              ("disk write (fsync)", f"{limits['disk_write_Bps'] / 1e6:.0f} MB/s"),
              ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
              ("memcpy", f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s"),

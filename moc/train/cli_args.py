@@ -36,6 +36,10 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                                       "(s3://bucket/prefix; endpoint and credentials from "
                                       "AWS_* variables); resumes from it when it holds one")
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints")
+    p.add_argument("--ckpt-blocks", type=int, default=0, metavar="B",
+                   help="benchmarks: checkpoint only in every other block of B steps "
+                        "(B..2B-1, 3B..4B-1, ...), so one run measures steps with and "
+                        "without checkpoints side by side (default 0: every interval)")
     p.add_argument("--ckpt-mode", choices=CKPT_MODES, default="moc",
                    help="moc (default): PEC + sharding + two levels; pec: synchronous PEC; "
                         "blocking: the Megatron-DeepSpeed baseline; dcp-sync, dcp-async: "
@@ -117,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_preset(
         args.config, steps=args.steps, ep=args.ep, seed=args.seed, batch_size=args.batch_size,
         lr=args.lr, data=args.data, ckpt_dir=args.ckpt_dir, ckpt_interval=args.ckpt_interval,
+        ckpt_blocks=args.ckpt_blocks,
         ckpt_mode=args.ckpt_mode, metrics=args.metrics, fault_at=args.fault_at,
         fault_every=args.fault_every, fault_rank=args.fault_rank, k_persist=parse_k(args.k_persist),
         selection=args.selection, pec_apply=args.pec_apply, dynamic_k=args.dynamic_k,

@@ -66,6 +66,12 @@ class TrainConfig:
     """Validation batches per rank for the final validation loss."""
     ckpt_dir: str | None = None
     ckpt_interval: int = 50
+    ckpt_blocks: int = 0
+    """A benchmark's A/B switch: with B > 0, checkpoints (every `ckpt_interval` steps)
+    are taken only in every other block of B steps (steps B..2B-1, 3B..4B-1, ...), so
+    one run holds steps with and without checkpointing side by side, under the same
+    load of the host and the same phase of training (`moc bench overhead --paired`).
+    0: every interval. The run's last step checkpoints either way."""
     ckpt_mode: str = "moc"
     """none; blocking (the Megatron-DeepSpeed baseline: every expert, rank 0 and EP group
     0 write, training waits); pec (partial experts checkpointing, sharded, synchronous);
@@ -134,6 +140,8 @@ class TrainConfig:
                              f"got {self.ckpt_mode!r}")
         if self.k_persist is not None and self.k_persist < 1:
             raise ValueError(f"--k-persist must be >= 1 or 'all', got {self.k_persist}")
+        if self.ckpt_blocks < 0:
+            raise ValueError(f"--ckpt-blocks must be >= 0 (0: no blocks), got {self.ckpt_blocks}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
         if self.ep is not None and self.ep < 1:
@@ -199,6 +207,11 @@ class TrainConfig:
         return max(d for d in range(1, world_size + 1)
                    if world_size % d == 0 and self.model.n_experts % d == 0)
 
+    def checkpoints_at(self, step: int) -> bool:
+        """Whether step `step` (1-based) checkpoints: a multiple of the interval, and in a
+        checkpointing block when `ckpt_blocks` is set (the last step is the loop's)."""
+        return step % self.ckpt_interval == 0 and in_checkpoint_block(step, self.ckpt_blocks)
+
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay."""
         if step <= self.warmup_steps:
@@ -206,3 +219,9 @@ class TrainConfig:
         progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+
+def in_checkpoint_block(step: int, blocks: int) -> bool:
+    """Whether `step` lies in a checkpointing block of `blocks` steps (the odd ones: the
+    run starts with a block without checkpoints); always, when `blocks` is 0."""
+    return not blocks or (step // blocks) % 2 == 1

@@ -311,7 +311,7 @@ class Trainer:
             # Nothing checkpoint-related is built on steps that do not checkpoint.
             ckpt = self.checkpointer
             final = self.step == cfg.steps  # the run's last checkpoint is complete
-            if ckpt is not None and (self.step % ckpt.interval == 0 or final):
+            if ckpt is not None and (cfg.checkpoints_at(self.step) or final):
                 ckpt.save(self.step, self.extra_state(), final=final)
             # The whole iteration, checkpoint work included: what throughput is made of.
             step_time = time.perf_counter() - t_step

@@ -91,3 +91,39 @@ def test_across_nodes_the_table_gains_the_peer_tier_and_moc_peers_needs_nodes():
     assert "replica" not in markdown(_result())  # one node: no peer columns
     with pytest.raises(SystemExit):
         main(["--strategies", "moc-peers"])  # one node has no peer to replicate to
+
+
+def test_paired_blocks_split_a_run_into_steps_with_and_without_checkpoints():
+    from moc.bench.overhead import paired_steps
+    from moc.train.config import TrainConfig
+
+    cfg = TrainConfig(ckpt_interval=1, ckpt_blocks=3)
+    assert [s for s in range(1, 13) if cfg.checkpoints_at(s)] == [3, 4, 5, 9, 10, 11]
+    cfg = TrainConfig(ckpt_interval=2, ckpt_blocks=4)  # the interval still applies
+    assert [s for s in range(1, 17) if cfg.checkpoints_at(s)] == [4, 6, 12, 14]
+    assert [s for s in range(1, 7) if TrainConfig(ckpt_interval=2).checkpoints_at(s)] == [
+        2, 4, 6]
+    # Each block's first step carries the previous block's regime; the warm-up is cut.
+    times = {s: float(s) for s in range(1, 13)}
+    on, off = paired_steps(times, 3, after=2)
+    assert on == [4.0, 5.0, 10.0, 11.0] and off == [7.0, 8.0]
+    import pytest
+
+    with pytest.raises(ValueError, match="--ckpt-blocks must be >= 0"):
+        TrainConfig(ckpt_blocks=-1)
+
+
+def test_paired_throughput_gets_its_own_column_when_measured():
+    result = _result()
+    result["strategies"]["moc"].update(paired_on_s=1.0, paired_off_s=0.96,
+                                       paired_throughput=0.96, paired_steps=40)
+    result["strategies"]["none"].update(paired_on_s=1.0, paired_off_s=1.0, paired_steps=40)
+    lines = markdown(result).splitlines()
+    assert "| throughput | steady | paired | bytes/ckpt |" in lines[0]
+    assert lines[1].count("---:") == 15
+    cells = [c.strip() for c in next(line for line in lines
+                                     if line.startswith("| moc |")).strip("|").split("|")]
+    assert cells[6:9] == ["0.952", "0.952", "0.960"]
+    none = next(line for line in lines if line.startswith("| none |"))
+    assert [c.strip() for c in none.strip("|").split("|")][8] == "-"
+    assert "paired" not in markdown(_result()).splitlines()[0]

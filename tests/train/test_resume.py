@@ -139,11 +139,24 @@ def test_recurring_faults_each_restart_meets_the_next_one(tmp_path):
     assert [e["steps"] for e in events if e["event"] == "summary"] == [20]
 
 
+def test_checkpoint_blocks_alternate_with_blocks_without(tmp_path):
+    """`--ckpt-blocks` (what `moc bench overhead --paired` runs): checkpoints in every
+    other block of steps only, and the last step's all the same."""
+    r = moc("train", "--nproc", "1", "--config", "tiny", "--steps", "8", "--ckpt-interval",
+            "1", "--ckpt-blocks", "3", "--ckpt-dir", str(tmp_path / "ckpt"), "--metrics",
+            str(tmp_path / "m.jsonl"), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = read_events(tmp_path / "m.jsonl")
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [3, 4, 5, 8]
+    assert len([e for e in events if e["event"] == "step"]) == 8
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--nproc", "2", "--ep", "3"], "ep=3 must divide the number of ranks (2)"),
     (["--nproc", "3", "--ep", "3"], "ep=3 must divide the expert count (4)"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--ckpt-blocks", "-2"], "--ckpt-blocks must be >= 0 (0: no blocks), got -2"),
     (["--fault-at", "5", "--fault-rank", "7"], "--fault-rank 7 does not exist"),
     (["--fault-at", "5", "--fault-every", "5"], "--fault-at and --fault-every exclude"),
     (["--k-persist", "9"], "--k-persist 9 is more than the 4 experts"),
