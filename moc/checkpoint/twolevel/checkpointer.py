@@ -377,7 +377,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             if self.parts.groups.rank == 0:
                 self.planner.choice = choose_k(
                     header, handle.copy_s, window, handle.plan_s, self.parts.chain.stems,
-                    self.spec.n_experts, self.spec.n_moe_layers, self.parts.ledger.k)
+                    self.spec.n_experts, self.spec.n_moe_layers, self.parts.ledger.k,
+                    self.parts.groups.layout.ep)
         rec = self._in_flight[handle.step]
         rec.wait_s, rec.snapshot_s = time.perf_counter() - t0, handle.seconds
         rec.snapshot_phases, rec.copy_Bps = handle.phases, handle.copy_Bps

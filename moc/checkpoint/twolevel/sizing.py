@@ -69,15 +69,22 @@ def snapshot_keys(state: dict[str, torch.Tensor], experts: list[set[int]],
 
 
 def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: float,
-             stems: dict[str, int], n_experts: int, n_moe_layers: int, floor: int
-             ) -> dict[str, Any]:
+             stems: dict[str, int], n_experts: int, n_moe_layers: int, floor: int,
+             ep: int = 1) -> dict[str, Any]:
     """The paper's adaptive configuration: the largest K_snapshot whose copy still hides
     behind a forward and backward pass, from a copy just measured (its bytes in `header`
     and the time of the copy itself, `seconds`: with its checksums, without the one-time
     reservation of the slots' memory) and the time training ran meanwhile (`window`:
     save() returning to wait_for_snapshot()) less the time the plan took before the copy
     (`plan_s`). Never below `floor` (K_persist: the persist reads from the snapshot).
-    When K_snapshot < N, `reason` says why, in numbers."""
+    When K_snapshot < N, `reason` says why, in numbers.
+
+    The measured copy is this rank's: its share of the experts (N / ep per layer under
+    expert parallelism), so what fits is counted in the rank's own experts first. When
+    all of them fit, K_snapshot = N. When fewer do, K_snapshot is what puts no more than
+    that many on any rank: sequential selection interleaves over the ep ranks (a window
+    of K puts ceil(K / ep) on each) when ep divides N, and may put the whole window on
+    one rank when it does not."""
     nbytes = {k: torch.Size(e.shape).numel() * _itemsize(e.dtype)
               for k, e in header.entries.items()}
     dense = sum(b for k, b in nbytes.items() if parse_expert_key(k) is None)
@@ -87,20 +94,25 @@ def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: floa
         if parsed is not None:
             at = (stems[parsed[1]], parsed[2])
             experts[at] = experts.get(at, 0) + b
+    # Bytes of one expert in every layer, and the experts per layer this rank holds.
     per_k = (sum(experts.values()) / max(1, len(experts))) * n_moe_layers
+    local = max(1, len(experts) // max(1, n_moe_layers))
     total = sum(nbytes.values())
     bandwidth = total / max(seconds, 1e-9)
     room = max(0.0, window - plan_s)
     budget = bandwidth * room - dense
-    k = int(budget // per_k) if per_k else n_experts
+    fit = int(budget // per_k) if per_k else local  # of this rank's experts per layer
+    interleaved = ep > 1 and n_experts % ep == 0
+    k = n_experts if fit >= local else max(0, fit) * (ep if interleaved else 1)
     k = max(min(floor, n_experts), min(n_experts, k))
     reason = None
     if k < n_experts:
-        reason = (f"a complete snapshot ({total / 1e6:.0f} MB) copies in {seconds:.3f} s at "
-                  f"{bandwidth / 1e9:.2f} GB/s, but forward and backward leave it "
-                  f"{room:.3f} s ({window:.3f} s less {plan_s:.3f} s of planning): "
-                  f"{k} of {n_experts} experts per layer fit; k_snapshot='all' takes every "
-                  "expert anyway (training then waits for the rest of the copy)")
+        reason = (f"a complete snapshot ({total / 1e6:.0f} MB on this rank) copies in "
+                  f"{seconds:.3f} s at {bandwidth / 1e9:.2f} GB/s, but forward and backward "
+                  f"leave it {room:.3f} s ({window:.3f} s less {plan_s:.3f} s of planning): "
+                  f"{max(0, fit)} of the rank's {local} experts per layer fit, so {k} of "
+                  f"{n_experts}; k_snapshot='all' takes every expert anyway (training then "
+                  "waits for the rest of the copy)")
     return {"k_snapshot": k, "window_s": window, "plan_s": plan_s, "copy_Bps": bandwidth,
             "copy_s": seconds, "reason": reason}
 

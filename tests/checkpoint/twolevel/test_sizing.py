@@ -10,11 +10,11 @@ from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader
 N, LAYERS = 8, 2
 
 
-def _header() -> SnapshotHeader:
+def _header(experts: range = range(N)) -> SnapshotHeader:
     """Dense state of 1,000 float32 (4 kB); each expert of each layer 250 float32 (1 kB)."""
     entries = {"param/dense": SlotEntry(0, "float32", (1000,), 0)}
     for m in range(LAYERS):
-        for e in range(N):
+        for e in experts:
             entries[f"param/l{m}.experts.w/expert={e}"] = SlotEntry(0, "float32", (250,), 0)
     return SnapshotHeader(1, entries, {})
 
@@ -31,7 +31,8 @@ def test_auto_takes_the_largest_k_whose_copy_fits_the_window():
     assert choice["copy_Bps"] == pytest.approx(20_000)
     assert (choice["window_s"], choice["plan_s"]) == (0.6, 0.1)
     # Why not N, in numbers: the snapshot's size, the copy's time and bandwidth, the room.
-    assert "0.500 s" in choice["reason"] and "3 of 8 experts" in choice["reason"]
+    assert "0.500 s" in choice["reason"]
+    assert "3 of the rank's 8 experts per layer fit, so 3 of 8" in choice["reason"]
 
 
 def test_auto_never_goes_below_k_persist_nor_above_n():
@@ -41,6 +42,28 @@ def test_auto_never_goes_below_k_persist_nor_above_n():
     roomy = choose_k(_header(), seconds=1.0, window=60.0, plan_s=0.0, stems=STEMS,
                      n_experts=N, n_moe_layers=LAYERS, floor=1)
     assert roomy["k_snapshot"] == N and roomy["reason"] is None
+
+
+def test_under_expert_parallelism_a_rank_measures_only_its_own_experts():
+    # ep = 2: this rank holds experts 4..7 of 8 (12 kB with the dense state). Copied in
+    # 1 s, with 0.9 s of room: 10.8 kB, the dense 4 kB and 3 of its 4 experts per layer.
+    # Sequential selection interleaves over the ranks, so K = 6 puts 3 on each.
+    mine = _header(range(4, 8))
+    tight = choose_k(mine, seconds=1.0, window=1.0, plan_s=0.1, stems=STEMS, n_experts=N,
+                     n_moe_layers=LAYERS, floor=1, ep=2)
+    assert tight["k_snapshot"] == 6
+    assert "3 of the rank's 4 experts per layer fit, so 6 of 8" in tight["reason"]
+    # The whole share fits: a complete snapshot, K = N, though the rank's copy could
+    # not have held N experts per layer (the count in the rank's own experts was once
+    # compared to N: 6 of 8 where every expert fitted).
+    fits = choose_k(mine, seconds=1.0, window=1.6, plan_s=0.1, stems=STEMS, n_experts=N,
+                    n_moe_layers=LAYERS, floor=1, ep=2)
+    assert fits["k_snapshot"] == N and fits["reason"] is None
+    # ep not dividing N: no interleaving, a window may land on one rank whole. 14 kB in
+    # 1 s, 0.7 s of room: 9.8 kB, the dense 4 kB and 2 of the rank's 5 experts per layer.
+    uneven = choose_k(_header(range(5)), seconds=1.0, window=0.8, plan_s=0.1, stems=STEMS,
+                      n_experts=N, n_moe_layers=LAYERS, floor=1, ep=3)
+    assert uneven["k_snapshot"] == 2
 
 
 def test_a_snapshot_holds_its_rotation_plus_what_it_persists():
