@@ -83,7 +83,7 @@ class TrainConfig:
     k_snapshot: int | str = "all"
     """moc: experts per MoE layer in the memory snapshot: an integer, all (exact
     recovery from a process crash) or auto (the largest whose copy hides behind a
-    forward and backward pass, measured on the first checkpoint)."""
+    forward and backward pass, measured on the first three checkpoints)."""
     k_replica: int | str = "all"
     """moc across nodes: experts per MoE layer in each rank's peer replica: all, an
     integer, or none (no replicas)."""

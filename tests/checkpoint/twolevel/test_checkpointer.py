@@ -221,17 +221,34 @@ def test_a_partial_snapshot_restores_each_expert_from_its_newest_copy(tmp_path):
     resumed.close()
 
 
-def test_auto_k_snapshot_measures_the_first_copy_and_chooses(tmp_path):
+def test_auto_k_snapshot_measures_the_first_copies_and_keeps_the_best(tmp_path, monkeypatch):
+    from moc.checkpoint.twolevel import checkpointer as module
+    from moc.checkpoint.twolevel.sizing import choose_k
+
+    measured = []
+
+    def recorded(*args, **kwargs):
+        measured.append(choose_k(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(module, "choose_k", recorded)
     model, opt = _build(0)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=2),
                                 interval=1, persist_policy="wait", k_snapshot="auto")
-    records = _train(model, opt, ckpt, 3)
+    records = _train(model, opt, ckpt, 6)
     ckpt.flush()
     records += ckpt.drain_completed()
     ckpt.close()
+    # The first three snapshots (complete) are measured, no later one; the choice is
+    # the best they allowed, reported once, and every later snapshot uses it.
+    assert len(measured) == module.AUTO_SAMPLES == 3
+    assert [r.k_snapshot for r in records[:4]] == [8, 8, 8, 8]
     chosen = [r.k_snapshot_chosen for r in records if r.k_snapshot_chosen]
     assert len(chosen) == 1
     choice = chosen[0]
+    assert choice["k_snapshot"] == max(c["k_snapshot"] for c in measured)
+    assert choice["copy_Bps"] == max(c["copy_Bps"] for c in measured
+                                     if c["k_snapshot"] == choice["k_snapshot"])
     assert 2 <= choice["k_snapshot"] <= 8
     assert choice["window_s"] > 0 and choice["copy_Bps"] > 0
     assert records[-1].k_snapshot == choice["k_snapshot"]
