@@ -389,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.paired < 0 or args.paired == 1:
         p.error(f"--paired must be 0 (off) or a block of >= 2 steps, got {args.paired}")
+    if args.paired and args.interval >= args.paired:
+        p.error(f"--paired {args.paired} needs --interval below it, got --interval "
+                f"{args.interval}: each block's first step is left out, so a block must "
+                "hold checkpoints after it (e.g. --interval 1 --paired 5)")
     if args.strategies is None:
         args.strategies = ([n for n in STRATEGIES if n not in PEERS] if args.nodes == 1
                            else ["none", "moc", *PEERS])

@@ -3,6 +3,8 @@ benchmark itself, not a test)."""
 
 from __future__ import annotations
 
+import pytest
+
 from moc.bench.overhead import disk_read_bandwidth, disk_write_bandwidth, markdown, plot
 
 
@@ -107,8 +109,6 @@ def test_paired_blocks_split_a_run_into_steps_with_and_without_checkpoints():
     times = {s: float(s) for s in range(1, 13)}
     on, off = paired_steps(times, 3, after=2)
     assert on == [4.0, 5.0, 10.0, 11.0] and off == [7.0, 8.0]
-    import pytest
-
     with pytest.raises(ValueError, match="--ckpt-blocks must be >= 0"):
         TrainConfig(ckpt_blocks=-1)
 
@@ -127,3 +127,13 @@ def test_paired_throughput_gets_its_own_column_when_measured():
     none = next(line for line in lines if line.startswith("| none |"))
     assert [c.strip() for c in none.strip("|").split("|")][8] == "-"
     assert "paired" not in markdown(_result()).splitlines()[0]
+
+
+@pytest.mark.parametrize("args", [["--paired", "1"], ["--paired", "-3"],
+                                  ["--paired", "5", "--interval", "5"]])
+def test_paired_blocks_must_hold_checkpoints_after_their_first_step(args, capsys):
+    from moc.bench.overhead import main
+
+    with pytest.raises(SystemExit):
+        main(["--strategies", "none", *args])
+    assert "--paired" in capsys.readouterr().err
