@@ -78,11 +78,17 @@ class SelectionContext:
     [r N/ep, (r + 1) N/ep). Sequential selection interleaves over these blocks."""
 
 
+def interleaves(n_experts: int, ep: int) -> bool:
+    """Whether sequential selection alternates over the ep ranks' blocks of experts (ep >
+    1 dividing N); then any K consecutive positions put ceil(K / ep) or fewer on a rank."""
+    return ep > 1 and n_experts % ep == 0
+
+
 def interleaved(position: int, n_experts: int, ep: int) -> int:
     """The expert at `position` of the order that visits the ep ranks in turn:
     0, N/ep, 2N/ep, ..., 1, N/ep + 1, ...  (the identity when ep = 1 or ep does not
     divide N)."""
-    if ep <= 1 or n_experts % ep:
+    if not interleaves(n_experts, ep):
         return position
     return (position % ep) * (n_experts // ep) + position // ep
 

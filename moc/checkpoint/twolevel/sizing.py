@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moc.checkpoint.policy.selection import SelectionContext, select_experts
+from moc.checkpoint.policy.selection import SelectionContext, interleaves, select_experts
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.twolevel.slots import SnapshotHeader
 
@@ -102,8 +102,7 @@ def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: floa
     room = max(0.0, window - plan_s)
     budget = bandwidth * room - dense
     fit = int(budget // per_k) if per_k else local  # of this rank's experts per layer
-    interleaved = ep > 1 and n_experts % ep == 0
-    k = n_experts if fit >= local else max(0, fit) * (ep if interleaved else 1)
+    k = n_experts if fit >= local else max(0, fit) * (ep if interleaves(n_experts, ep) else 1)
     k = max(min(floor, n_experts), min(n_experts, k))
     reason = None
     if k < n_experts:
