@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from moc.bench.overhead import disk_read_bandwidth, disk_write_bandwidth, markdown, plot
+from moc.bench.overhead import (
+    copy_cpu_bandwidth,
+    disk_read_bandwidth,
+    disk_write_bandwidth,
+    markdown,
+    plot,
+    thread_memcpy_bandwidth,
+)
 
 
 def _figures(stall: float | None, mean: float, **more: float) -> dict:
@@ -18,11 +25,12 @@ def _figures(stall: float | None, mean: float, **more: float) -> dict:
 
 def _result() -> dict:
     return {"config": {"preset": "bench", "nproc": 2, "interval": 5},
-            "limits": {"memcpy_Bps": 1e10},
+            "limits": {"memcpy_Bps": 2e10, "thread_memcpy_Bps": 1e10},
             "strategies": {"none": _figures(None, 1.0, cpu_per_step_s=1.5),
                            "blocking": _figures(0.5, 1.25, bytes_per_ckpt=4e8),
                            "moc": _figures(0.005, 1.05, peak_host_mem_bytes=3e8,
-                                           snapshot_bytes=1e8, copy_Bps=6e9, k_snapshot=16,
+                                           snapshot_bytes=1e8, copy_Bps=4e9, copy_cpu_Bps=6e9,
+                                           k_snapshot=16,
                                            snapshot_cpu_s=0.04, persist_cpu_s=0.05,
                                            cpu_per_step_s=1.6)}}
 
@@ -44,9 +52,30 @@ def test_the_cost_table_gives_copy_bandwidth_against_memcpy_and_cpu_per_checkpoi
     lines = markdown(result).splitlines()
     moc = [line for line in lines if line.startswith("| moc |")][-1]
     cells = [c.strip() for c in moc.strip("|").split("|")]
-    assert cells[1:] == ["16", "6.00 GB/s", "0.60", "0.0400 s", "0.0500 s", "1.6000 s",
-                         "+0.1000 s"]
+    # Against one thread's memcpy (a rank copies on one thread), wall and CPU.
+    assert cells[1:] == ["16", "4.00 GB/s", "6.00 GB/s", "0.40 / 0.60", "0.0400 s",
+                         "0.0500 s", "1.6000 s", "+0.1000 s"]
     assert "- tight: K_snapshot < N because the copy takes too long" in lines
+    # A result written before the one-thread figure: against the all-threads memcpy.
+    del result["limits"]["thread_memcpy_Bps"]
+    moc = [line for line in markdown(result).splitlines() if line.startswith("| moc |")][-1]
+    assert "| 0.20 / 0.30 |" in moc
+
+
+def test_copy_cpu_bandwidth_is_the_copy_over_its_own_cpu_seconds():
+    # 1 GB copied in 0.5 s of wall time, of which 0.25 s on a core: 4 GB/s of CPU time.
+    event = {"copy_Bps": 2e9, "phases": {"snapshot": {"plan": [0.1, 0.1, 0],
+                                                      "copy": [0.5, 0.25, 0]}}}
+    assert copy_cpu_bandwidth(event) == pytest.approx(4e9)
+    gpu = {"copy_Bps": 2e9, "phases": {"snapshot": {"copy": [0.3, 0.05, 0],
+                                                    "checksum": [0.2, 0.2, 0]}}}
+    assert copy_cpu_bandwidth(gpu) == pytest.approx(4e9)
+    assert copy_cpu_bandwidth({"copy_Bps": None, "phases": {}}) is None
+    assert copy_cpu_bandwidth({"step": 3}) is None  # a strategy without snapshots
+
+
+def test_thread_memcpy_measures_something():
+    assert thread_memcpy_bandwidth(8 << 20) > 0
 
 
 def test_picture_is_a_png(tmp_path):

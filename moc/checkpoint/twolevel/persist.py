@@ -318,11 +318,11 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
 def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:
     """Entry point of the persist process; `secret` (None: the first line of stdin, as
     hex, where rank 0 writes it) authenticates every connection."""
-    from moc.checkpoint.twolevel.worker import BACKGROUND_NICE
+    from moc.checkpoint.twolevel.worker import lower_priority
 
     if secret is None:
         secret = bytes.fromhex(sys.stdin.readline().strip())
-    os.nice(BACKGROUND_NICE)  # training first; persisting only bounds checkpoint frequency
+    lower_priority()  # training first; persisting only bounds checkpoint frequency
     jdir = secure_job_dir(job)
     path = socket_path(jdir)
     if os.path.lexists(path):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from moc.checkpoint.errors import CheckpointError
@@ -59,10 +60,12 @@ N_SLOTS = 3
 buffer): a complete snapshot always exists while the next one is being taken."""
 ALIGN = 8
 """Every tensor of a slot starts at a multiple of this (snapshots and replicas alike)."""
-COPY_CHUNK = 1 << 20
-"""Bytes copied before their checksum is taken: small enough that they are still in the
-CPU's cache when the CRC reads them (one pass over memory, not two), large enough that
-the loop's own cost (a few microseconds a chunk) stays under 1% of the copy's."""
+COPY_CHUNK = 512 << 10
+"""Bytes copied before their checksum is taken: small enough that the chunk's source and
+destination both stay in the core's L2 cache (1 MiB here) until the CRC reads it (one
+pass over memory, not two), large enough that the loop's own cost (about a microsecond
+a chunk) stays well under 1% of the copy's. Measured on the `bench` state (417 MB, one
+thread, CPU time): 10.7 GB/s against 9.6 GB/s with 1 MiB chunks."""
 DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -425,18 +428,24 @@ def copy_and_checksum(buf: torch.Tensor, offsets: dict[str, int],
                        tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     """Copy CPU tensors to their offsets in `buf`, COPY_CHUNK bytes at a time, each
     chunk's CRC32C taken while it is in cache; the CRC32C of each tensor's bytes. Both
-    the copy and the CRC release the GIL."""
-    mem = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    the copy and the CRC release the GIL.
+
+    The chunks are copied by numpy, not torch: a slice and an assignment cost numpy a
+    fraction of torch's per-call overhead (which made chunks this small slower than 1
+    MiB ones), and numpy copies on the calling thread alone, so the copy keeps the
+    snapshot thread's scheduling class instead of going to torch's intra-op threads."""
+    dst = buf.numpy() if buf.numel() else np.empty(0, dtype=np.uint8)
+    mem = memoryview(dst)
     crcs = {}
     for key, t in tensors.items():
         src = t.detach()
         n = src.numel() * src.element_size()
         value, at = 0, offsets[key]
         if n:
-            flat = src.contiguous().reshape(-1).view(torch.uint8)
+            flat = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             for i in range(0, n, COPY_CHUNK):
                 j = min(n, i + COPY_CHUNK)
-                buf[at + i:at + j].copy_(flat[i:j])
+                dst[at + i:at + j] = flat[i:j]
                 value = crc(mem[at + i:at + j], value)
         crcs[key] = value
     return crcs

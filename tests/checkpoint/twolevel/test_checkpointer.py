@@ -356,3 +356,24 @@ def test_a_retention_error_learned_in_close_is_raised_by_close(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match=r"deleting old checkpoints.*No space left"):
         ckpt.close()
     assert not job_dir(ckpt.job).exists()  # cleaned up all the same
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_checkpoint_work_runs_in_sched_idle_and_training_does_not(tmp_path):
+    # The snapshot thread and the persist process yield a core to training the moment a
+    # training thread wakes (`worker.lower_priority`); the training thread is untouched.
+    import threading
+
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    try:
+        _train(model, opt, ckpt, 2)
+        ckpt.flush()
+        snapshot = next(t for t in threading.enumerate() if t.name == "moc-snapshot")
+        assert os.sched_getscheduler(snapshot.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(ckpt.persist.process.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+    finally:
+        ckpt.close()
