@@ -119,7 +119,7 @@ class Manifest:
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, source: str) -> Manifest:
+    def from_json(cls, text: str, source: str, known: Manifest | None = None) -> Manifest:
         """Parse and validate a manifest. Everything in it is checked (types, ranges,
         and that the fields agree with one another), since recovery acts on it: a
         malformed field is CorruptCheckpointError (recovery falls back to an older
@@ -127,7 +127,13 @@ class Manifest:
         current version: its entries keep their CRC32 ("crc32" algo; a version-1
         checksum extended over dtype and shape), so in memory every manifest means the
         same, and a new step carries inherited entries over unchanged.
-        IncompatibleCheckpointError is for a format version this moc cannot read."""
+        IncompatibleCheckpointError is for a format version this moc cannot read.
+
+        `known`: a manifest parsed before (the chain's previous step). An entry of this
+        one that is exactly the JSON of `known`'s entry under the same key (types
+        included) is taken from it instead of being checked again: a chain's next
+        manifest carries all but K experts' entries over unchanged, and checking each
+        of them again was half of a plan's CPU time with a checkpoint every step."""
         try:
             d = json.loads(text, object_pairs_hook=no_duplicate_keys)
         except ValueError as e:  # JSONDecodeError, and duplicate keys
@@ -149,18 +155,21 @@ class Manifest:
         if missing:
             raise CorruptCheckpointError(f"{source}: manifest lacks {', '.join(missing)}")
         try:
-            return _parse(d, version)
+            return _parse(d, version, known.entries if known is not None else {})
         except _Malformed as e:
             raise CorruptCheckpointError(
                 f"{source}: malformed manifest: {e}; the step is corrupt (recovery uses an "
                 "older one)") from None
 
     @classmethod
-    def load(cls, root: Path | ObjectPath, step: int) -> Manifest:
-        return cls.decode(*read_manifest(root, step), step)
+    def load(cls, root: Path | ObjectPath, step: int, known: Manifest | None = None
+             ) -> Manifest:
+        """`step`'s manifest (`known`: see `from_json`)."""
+        return cls.decode(*read_manifest(root, step), step, known)
 
     @classmethod
-    def decode(cls, raw: bytes, path: Path | ObjectPath, step: int) -> Manifest:
+    def decode(cls, raw: bytes, path: Path | ObjectPath, step: int,
+               known: Manifest | None = None) -> Manifest:
         """The manifest of `step` from the bytes `read_manifest` returned."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}: over {MAX_MANIFEST_BYTES} bytes; not a "
@@ -169,7 +178,7 @@ class Manifest:
             text = raw.decode()
         except UnicodeDecodeError as e:
             raise CorruptCheckpointError(f"{path}: manifest is not UTF-8 ({e})") from None
-        manifest = cls.from_json(text, str(path))
+        manifest = cls.from_json(text, str(path), known)
         if manifest.step != step:
             raise CorruptCheckpointError(f"{path}: manifest says step {manifest.step}, "
                                          f"directory says {step}")
@@ -284,7 +293,7 @@ def _int_table(x: object, rows: int | None, cols: int | None, what: str) -> list
     return x
 
 
-def _parse(d: dict[str, Any], version: int) -> Manifest:
+def _parse(d: dict[str, Any], version: int, known: dict[str, Entry]) -> Manifest:
     unknown = set(d) - FIELDS
     if unknown:
         raise _Malformed(f"unknown field(s) {', '.join(sorted(unknown))}")
@@ -293,8 +302,13 @@ def _parse(d: dict[str, Any], version: int) -> Manifest:
         raise _Malformed(f"mode is {d['mode']!r}, expected a string")
     layout = {k: _uint(v, f"layout.{k}") for k, v in _dict(d["layout"], "layout").items()}
     model = _dict(d["model"], "model")
-    entries = {k: _entry(e, k, step, version)
-               for k, e in _dict(d["entries"], "entries").items()}
+    if version != FORMAT_VERSION:
+        known = {}  # older entries are converted on the way in: never the same JSON
+    entries = {}
+    for k, e in _dict(d["entries"], "entries").items():
+        old = known.get(k)
+        entries[k] = (old if old is not None and old.step <= step and _unchanged(e, old)
+                      else _entry(e, k, step, version))
     files = {}
     for name, size in _dict(d.get("files", {}), "files").items():
         if not is_rank_file(name):
@@ -331,6 +345,18 @@ def _parse(d: dict[str, Any], version: int) -> Manifest:
                     files=files, extra=extra, experts=experts, policy=policy,
                     experts_saved=experts_saved, tokens=tokens, model_config=model_config,
                     version=FORMAT_VERSION)
+
+
+def _unchanged(e: object, old: Entry) -> bool:
+    """Is `e` exactly the JSON of `old`, types included? (Plain equality is not enough:
+    JSON true and 1.0 both equal 1, and `_entry` refuses them.)"""
+    if type(e) is not dict or len(e) != 5:
+        return False
+    at, crc, shape = e.get("step"), e.get(old.algo), e.get("shape")
+    return (type(at) is int and at == old.step and type(crc) is int and crc == old.crc
+            and e.get("file") == old.file and e.get("dtype") == old.dtype
+            and type(shape) is list and len(shape) == len(old.shape)
+            and all(type(x) is int and x == y for x, y in zip(shape, old.shape, strict=True)))
 
 
 def _entry(e: object, key: str, step: int, version: int) -> Entry:

@@ -276,7 +276,8 @@ class SnapshotPlanner:
 
     def committed(self, step: int) -> None:
         """The chain continues from `step`'s manifest, just committed."""
-        manifest = Manifest.load(self.config.root, step)
+        # The chain's previous manifest: most of this one's entries are its, unchanged.
+        manifest = Manifest.load(self.config.root, step, known=self.chain.manifest)
         self.chain.advance(manifest)
         self.ledger.committed(manifest.tokens)
         if self.on_commit is not None:

@@ -44,6 +44,53 @@ def test_malformed_manifests_raise_clear_errors(text, error, match):
         Manifest.from_json(text, "m")
 
 
+def _entry_json(step: int = 3, **changes) -> dict:
+    return {**Entry(step, "rank-00000.safetensors", "F32", (2, 4), 123).to_dict(), **changes}
+
+
+def test_the_next_step_takes_unchanged_entries_from_the_known_manifest():
+    known = Manifest.from_json(_manifest_json(entries={"param/x": _entry_json(),
+                                                       "param/y": _entry_json()}), "m")
+    text = _manifest_json(step=5, entries={"param/x": _entry_json(),  # carried over
+                                           "param/y": _entry_json(step=5, crc32c=9)})
+    fresh = Manifest.from_json(text, "m")
+    m = Manifest.from_json(text, "m", known=known)
+    assert m == fresh
+    assert m.entries["param/x"] is known.entries["param/x"]  # not checked again
+    assert m.entries["param/y"] == Entry(5, "rank-00000.safetensors", "F32", (2, 4), 9)
+
+
+@pytest.mark.parametrize("changes", [
+    {"step": True}, {"crc32c": 123.0}, {"shape": [2.0, 4]}, {"shape": [2, True]},
+    {"shape": [2, 4, 1]}, {"dtype": "F99"}, {"file": "../x"}, {"extra": 1},
+    {"crc32c": None, "crc32": 123},
+])
+def test_an_entry_that_differs_from_the_known_one_in_any_way_is_checked_again(changes):
+    # Values that equal the known entry's in Python (JSON true == 1 == 1.0) but that a
+    # fresh parse refuses must be refused too: the known manifest is no excuse.
+    known = Manifest.from_json(_manifest_json(entries={"param/x": _entry_json(step=1)}),
+                               "m")
+    entry = {k: v for k, v in {**_entry_json(step=1), **changes}.items() if v is not None}
+    text = _manifest_json(step=5, entries={"param/x": entry})
+    try:
+        fresh = Manifest.from_json(text, "m")
+    except CorruptCheckpointError as e:
+        with pytest.raises(CorruptCheckpointError, match="malformed") as got:
+            Manifest.from_json(text, "m", known=known)
+        assert str(got.value) == str(e)
+    else:  # still well-formed (a zlib CRC32 of the same value): its own entry
+        m = Manifest.from_json(text, "m", known=known)
+        assert m == fresh and m.entries["param/x"] is not known.entries["param/x"]
+
+
+def test_a_known_entry_newer_than_the_step_is_not_taken():
+    known = Manifest.from_json(_manifest_json(step=7, entries={
+        "param/x": _entry_json(step=7)}), "m")
+    with pytest.raises(CorruptCheckpointError, match="below 6"):
+        Manifest.from_json(_manifest_json(step=5, entries={"param/x": _entry_json(step=7)}),
+                           "m", known=known)
+
+
 def test_model_mismatch_names_each_differing_field():
     m = Manifest.from_json(_manifest_json(), "ckpt")
     with pytest.raises(IncompatibleCheckpointError, match="d_model: checkpoint 8 vs now 16"):
