@@ -8,7 +8,7 @@
 CPU time is the calling thread's own (`time.thread_time`: user and system time of this
 thread, not of the process), so a phase on the snapshot thread is not charged for the
 training thread running beside it, and the wall time minus the CPU time of a phase is
-what it waited: for the disk, or for a core (the checkpoint threads run niced). Page
+what it waited: for the disk, or for a core (checkpoint work runs in SCHED_IDLE). Page
 faults (minor: the kernel mapping a page on first touch) are the thread's too: a copy
 into memory the process has not touched yet pays one per 4 KiB. Used
 only on checkpoint threads and processes, never on a training step: a phase costs two
