@@ -147,7 +147,9 @@ def test_checkpoint_blocks_alternate_with_blocks_without(tmp_path):
             str(tmp_path / "m.jsonl"), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     events = read_events(tmp_path / "m.jsonl")
-    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [3, 4, 5, 8]
+    # In the order they complete: step 3's persist (the chain's first, every expert) may
+    # end after 4's and 5's snapshots (their persists skipped while it runs).
+    assert sorted(e["step"] for e in events if e["event"] == "checkpoint") == [3, 4, 5, 8]
     assert len([e for e in events if e["event"] == "step"]) == 8
 
 

@@ -104,7 +104,7 @@ from moc.checkpoint.twolevel.slots import (
     job_dir,
     remove_job,
 )
-from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker
+from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker, background_priority
 from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
@@ -205,6 +205,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if persist_policy not in PERSIST_POLICIES:
             raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                              f"got {persist_policy!r}")
+        background_priority()  # a bad MOC_CKPT_PRIORITY fails here, not in the background
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
             interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,

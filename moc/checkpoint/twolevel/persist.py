@@ -39,6 +39,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -154,7 +155,14 @@ class PersistClient:
         """Rank 0: persist processes started after the first (at most MAX_RESTARTS)."""
         self._lock = threading.Lock()
         self._conn: Connection | None = None
+        self._spawner: ThreadPoolExecutor | None = None
         if self.leader:
+            # Persist processes are started from a thread made now, on the caller's
+            # thread, in its scheduling class: a restart is asked for on the snapshot
+            # thread, whose SCHED_IDLE a child would inherit and could never leave (its
+            # start-up, a new interpreter, would then wait for idle cores).
+            self._spawner = ThreadPoolExecutor(1, thread_name_prefix="moc-persist-spawn")
+            self._spawner.submit(lambda: None).result()
             self._start()
         else:
             self._join(generation)
@@ -167,10 +175,12 @@ class PersistClient:
         secret = write_secret(self.jdir, self.generation)
         # -c rather than -m: the process imports only what serving needs. The secret
         # goes on stdin: argv and the environment of a process are readable by others.
-        process = subprocess.Popen(
+        assert self._spawner is not None
+        process = self._spawner.submit(
+            subprocess.Popen,
             [sys.executable, "-c", "import sys; from moc.checkpoint.twolevel.persist "
              "import serve; serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
-             self.job, str(self.root), str(os.getpid())], stdin=subprocess.PIPE)
+             self.job, str(self.root), str(os.getpid())], stdin=subprocess.PIPE).result()
         self.process = process
         try:
             assert process.stdin is not None
@@ -282,6 +292,8 @@ class PersistClient:
                         self.process.wait()
         finally:
             self._close()
+            if self._spawner is not None:
+                self._spawner.shutdown(wait=False)
 
 
 def _connect(jdir: Path, secret: Callable[[], bytes | None],
@@ -318,11 +330,11 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
 def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:
     """Entry point of the persist process; `secret` (None: the first line of stdin, as
     hex, where rank 0 writes it) authenticates every connection."""
-    from moc.checkpoint.twolevel.worker import lower_priority
+    from moc.checkpoint.twolevel.worker import lower_process_priority
 
     if secret is None:
         secret = bytes.fromhex(sys.stdin.readline().strip())
-    lower_priority()  # training first; persisting only bounds checkpoint frequency
+    lower_process_priority()  # training first; persisting only bounds checkpoint frequency
     jdir = secure_job_dir(job)
     path = socket_path(jdir)
     if os.path.lexists(path):

@@ -442,6 +442,8 @@ def copy_and_checksum(buf: torch.Tensor, offsets: dict[str, int],
         n = src.numel() * src.element_size()
         value, at = 0, offsets[key]
         if n:
+            if src.device.type != "cpu":  # another accelerator than CUDA: via the host
+                src = src.cpu()
             flat = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             for i in range(0, n, COPY_CHUNK):
                 j = min(n, i + COPY_CHUNK)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,32 +30,71 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 
-BACKGROUND_NICE = 19
-"""Niceness of checkpoint work where SCHED_IDLE is not to be had (not Linux)."""
+PRIORITY_ENV = "MOC_CKPT_PRIORITY"
+"""How checkpoint work is scheduled: "idle" (the default: the snapshot thread in
+SCHED_IDLE, the persist process at niceness 19), "nice" (both at niceness 10: moc
+before 0.6), "normal" (as training). Read by the snapshot thread and by the persist
+process (which inherits the environment)."""
+PRIORITIES = ("idle", "nice", "normal")
+NICENESS = {"idle": 19, "nice": 10}
+"""Niceness of the persist process, and of the snapshot thread where SCHED_IDLE is not
+to be had."""
 
 
-def lower_priority() -> None:
-    """Run the calling thread in Linux's SCHED_IDLE class (scheduling is per thread, and
-    threads it starts inherit it), else at BACKGROUND_NICE: the snapshot thread and the
-    persist process.
+def background_priority() -> str:
+    """The PRIORITY_ENV setting; ValueError for a value it does not know (checked when
+    an engine is made, not on a background thread)."""
+    value = os.environ.get(PRIORITY_ENV, "idle")
+    if value not in PRIORITIES:
+        raise ValueError(f"{PRIORITY_ENV}={value!r}: expected one of "
+                         f"{', '.join(PRIORITIES)} (default idle)")
+    return value
+
+
+def lower_thread_priority() -> None:
+    """The snapshot thread: SCHED_IDLE (Linux: scheduling is per thread, and the threads
+    it starts inherit it), else niceness 19; per PRIORITY_ENV.
 
     On a machine whose cores training keeps busy, checkpoint work should run in the gaps
     (ranks waiting on each other in collectives) and give the core back the moment a
     training thread wakes. A SCHED_IDLE thread is preempted at once when a normal thread
     wakes, where a niced one keeps its slice; measured against itself (`moc bench
     overhead --paired 5`, docs/BENCHMARKS.md), a checkpoint every step cost 0.912-0.924
-    of the throughput at niceness 10 and 0.951-0.958 in SCHED_IDLE. It never starves:
-    SCHED_IDLE keeps a minimum share (weight 3 against 1024 for niceness 0, 15 for 19),
-    and a training thread that waits for its snapshot leaves the core to it.
+    of the throughput at niceness 10 and 0.927-0.966 in SCHED_IDLE. The kernel still
+    gives it a minimum share (weight 3, against 1024 for niceness 0), and a training
+    thread that waits for its snapshot leaves the core to it. Not undone: an unprivileged
+    thread cannot leave SCHED_IDLE, so whatever must start at training's priority (a
+    new persist process) is started from another thread (`PersistClient`).
+
+    Elsewhere than Linux a thread's priority cannot be set apart from its process's
+    (the training thread's), and the snapshot thread is left as it is.
     """
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    mode = background_priority()
+    if mode == "normal" or not sys.platform.startswith("linux"):
         return
-    except (AttributeError, OSError):  # not Linux, or a kernel without it
-        pass
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+    tid = threading.get_native_id()
+    if mode == "idle":
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+    _renice(tid, NICENESS[mode])
+
+
+def _renice(who: int, niceness: int) -> None:
+    """At least `niceness` (a job started nicer stays as nice); `who` 0: the caller."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, who, max(niceness, os.getpriority(os.PRIO_PROCESS, who)))
+
+
+def lower_process_priority() -> None:
+    """The persist process, first thing: niceness 19 ("nice": 10), the whole process.
+    Niceness rather than SCHED_IDLE: an I/O scheduler that takes a task's I/O class from
+    its CPU policy (BFQ) would serve a SCHED_IDLE process's writes and fsyncs only when
+    the disk is otherwise idle, and a busy data loader could then hold a persist past
+    its timeout."""
+    mode = background_priority()
+    if mode != "normal":
+        _renice(0, NICENESS[mode])  # Linux: this (main) thread, and those it starts
 
 
 class SnapshotWorker:
@@ -71,13 +111,16 @@ class SnapshotWorker:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue | None = None
+        self.thread: threading.Thread | None = None
+        """The thread, once started (its scheduling class is `lower_thread_priority`'s)."""
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the thread after the work submitted before; its future."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(self._jobs,), name="moc-snapshot",
-                             daemon=True).start()
+            self.thread = threading.Thread(target=_serve, args=(self._jobs,),
+                                           name="moc-snapshot", daemon=True)
+            self.thread.start()
         future: Future = Future()
         self._jobs.put((fn, future))
         return future
@@ -154,7 +197,7 @@ class SnapshotHandle:
         self._error: BaseException | None = None
 
         def run() -> None:
-            lower_priority()
+            lower_thread_priority()
             t0 = time.perf_counter()
             try:
                 with self.phases("plan"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 
 import pytest
 import torch
@@ -358,22 +359,63 @@ def test_a_retention_error_learned_in_close_is_raised_by_close(tmp_path, monkeyp
     assert not job_dir(ckpt.job).exists()  # cleaned up all the same
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
-def test_checkpoint_work_runs_in_sched_idle_and_training_does_not(tmp_path):
-    # The snapshot thread and the persist process yield a core to training the moment a
-    # training thread wakes (`worker.lower_priority`); the training thread is untouched.
+def _scheduling(tid: int) -> tuple[int, int]:
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling")
+def test_the_snapshot_thread_runs_in_sched_idle_the_persist_process_niced_training_as_it_was(
+        tmp_path):
+    # Checkpoint work yields a core to training (`worker.lower_thread_priority`); the
+    # training thread keeps whatever class and niceness it was started with. A persist
+    # process restarted from the snapshot thread (SCHED_IDLE, which a child inherits and
+    # cannot leave) is niced like the first, not idle.
     import threading
 
+    me = threading.get_native_id()
+    before = _scheduling(me)
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    try:
+        first = ckpt.persist.process
+        records = _kill_persist_after_step_1(model, opt, ckpt)
+        ckpt.flush()
+        assert ckpt.persist.process is not first and not records[-1].error
+        assert os.sched_getscheduler(ckpt.worker.thread.native_id) == os.SCHED_IDLE
+        assert _scheduling(ckpt.persist.process.pid) == (os.SCHED_OTHER, 19)
+        assert _scheduling(me) == before
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize(("value", "niceness"), [("nice", 10), ("normal", None)])
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling")
+def test_moc_ckpt_priority_sets_how_checkpoint_work_is_scheduled(tmp_path, monkeypatch,
+                                                                 value, niceness):
+    # "nice": moc's scheduling before SCHED_IDLE; "normal": training's own.
+    import threading
+
+    monkeypatch.setenv("MOC_CKPT_PRIORITY", value)
+    before = _scheduling(threading.get_native_id())
+    snapshot = (before[0], max(before[1], niceness)) if niceness else None
     model, opt = _build(0)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=1),
                                 interval=1, persist_policy="wait")
     try:
         _train(model, opt, ckpt, 2)
         ckpt.flush()
-        snapshot = next(t for t in threading.enumerate() if t.name == "moc-snapshot")
-        assert os.sched_getscheduler(snapshot.native_id) == os.SCHED_IDLE
-        assert os.sched_getscheduler(ckpt.persist.process.pid) == os.SCHED_IDLE
-        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+        expected = snapshot or before
+        assert _scheduling(ckpt.worker.thread.native_id) == expected
+        assert _scheduling(ckpt.persist.process.pid) == (snapshot or before)
     finally:
         ckpt.close()
+
+
+def test_an_unknown_moc_ckpt_priority_is_refused_before_anything_starts(tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("MOC_CKPT_PRIORITY", "low")
+    model, opt = _build(0)
+    with pytest.raises(ValueError, match=r"MOC_CKPT_PRIORITY='low': expected one of idle, "
+                                         r"nice, normal"):
+        TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", policy=PECPolicy(k=1))
