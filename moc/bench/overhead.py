@@ -29,6 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,7 @@ def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     """This host's memcpy: torch's copy of `nbytes`, on as many threads as torch uses."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # warm
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src)
-    return 3 * nbytes / (time.perf_counter() - t0)
+    return _copy_rate(lambda: dst.copy_(src), nbytes)
 
 
 def thread_memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -143,10 +140,15 @@ def thread_memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     thread's 16-17 here."""
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    np.copyto(dst, src)  # warm
+    return _copy_rate(lambda: np.copyto(dst, src), nbytes)
+
+
+def _copy_rate(copy: Callable[[], object], nbytes: int) -> float:
+    """Bytes per second of `copy` (of `nbytes`): once to warm, then three timed."""
+    copy()
     t0 = time.perf_counter()
     for _ in range(3):
-        np.copyto(dst, src)
+        copy()
     return 3 * nbytes / (time.perf_counter() - t0)
 
 

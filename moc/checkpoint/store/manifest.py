@@ -129,7 +129,8 @@ class Manifest:
         same, and a new step carries inherited entries over unchanged.
         IncompatibleCheckpointError is for a format version this moc cannot read.
 
-        `known`: a manifest parsed before (the chain's previous step). An entry of this
+        `known`: a manifest this function returned before (the chain's previous step;
+        never one built in memory, whose entries were not checked). An entry of this
         one that is exactly the JSON of `known`'s entry under the same key (types
         included) is taken from it instead of being checked again: a chain's next
         manifest carries all but K experts' entries over unchanged, and checking each

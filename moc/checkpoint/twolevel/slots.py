@@ -65,7 +65,8 @@ COPY_CHUNK = 512 << 10
 destination both stay in the core's L2 cache (1 MiB here) until the CRC reads it (one
 pass over memory, not two), large enough that the loop's own cost (about a microsecond
 a chunk) stays well under 1% of the copy's. Measured on the `bench` state (417 MB, one
-thread, CPU time): 10.7 GB/s against 9.6 GB/s with 1 MiB chunks."""
+thread, CPU time): 10.7 GB/s, against 9.7 in 1 MiB chunks and 9.6 with torch's copy in
+1 MiB chunks (`copy_and_checksum`)."""
 DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}

@@ -32,8 +32,8 @@ from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 
 PRIORITY_ENV = "MOC_CKPT_PRIORITY"
 """How checkpoint work is scheduled: "idle" (the default: the snapshot thread in
-SCHED_IDLE, the persist process at niceness 19), "nice" (both at niceness 10: moc
-before 0.6), "normal" (as training). Read by the snapshot thread and by the persist
+SCHED_IDLE, the persist process at niceness 19), "nice" (both at niceness 10: moc's
+scheduling up to 0.3.0), "normal" (as training). Read by the snapshot thread and by the persist
 process (which inherits the environment)."""
 PRIORITIES = ("idle", "nice", "normal")
 NICENESS = {"idle": 19, "nice": 10}
@@ -136,6 +136,7 @@ class SnapshotWorker:
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     """The snapshot thread: run jobs in order until a None job, which it acknowledges."""
+    lower_thread_priority()  # once: the thread's class holds for every job it runs
     while True:
         fn, future = jobs.get()
         if fn is None:
@@ -197,7 +198,6 @@ class SnapshotHandle:
         self._error: BaseException | None = None
 
         def run() -> None:
-            lower_thread_priority()
             t0 = time.perf_counter()
             try:
                 with self.phases("plan"):
