@@ -8,14 +8,15 @@ real `TwoLevelCheckpointer` (its snapshot thread and its persist process) taking
 "wait"). From each checkpoint's own accounting (`CheckpointResult.phases`):
 
     snapshot thread   plan, reserve (the slots' memory: the first checkpoint only),
-                      copy (with its CRC32C, fused), header
+                      copy (with its XXH3 digest, fused), header
     persist process   read (the snapshot's header and mapping), write (writev straight
                       from the slot), fsync, commit (the manifest)
 
 Then a restore from memory and one from storage (with the files' pages dropped from the
 page cache first, where the kernel lets us: posix_fadvise DONTNEED after an fsync), and
 the references the numbers should be read against, on the same bytes: memcpy, the
-checksum alone (CRC32C and zlib's CRC32, format version 2's), copying then checksumming
+checksum alone (XXH3; CRC32C, format version 3's; zlib's CRC32, version 2's), the
+fused copy with each, copying then checksumming
 in two passes against the fused copy, and the disk's fsynced write bandwidth.
 """
 
@@ -38,7 +39,7 @@ from moc.checkpoint.api import CheckpointResult
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning
-from moc.checkpoint.store.format import crc, tensor_bytes
+from moc.checkpoint.store.format import CRC32C, digest, tensor_bytes
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.slots import copy_and_checksum, slot_layout
 from moc.model import Transformer
@@ -110,8 +111,10 @@ def references(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, float
     copy_and_checksum(slot, offsets, state)  # warm: every page touched once
     out: dict[str, float] = {"snapshot_bytes": float(size)}
     phases = Phases()
-    with phases("fused copy + CRC32C"):
+    with phases("fused copy + XXH3"):
         copy_and_checksum(slot, offsets, state)
+    with phases("fused copy + CRC32C"):
+        copy_and_checksum(slot, offsets, state, CRC32C)
     with phases("copy"):
         for key, t in state.items():
             n = t.numel() * t.element_size()
@@ -119,9 +122,12 @@ def references(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, float
                 slot[offsets[key]:offsets[key] + n].view(t.dtype).view(t.shape).copy_(t)
     views = {k: tensor_bytes(slot[offsets[k]:offsets[k] + t.numel() * t.element_size()])
              for k, t in state.items()}
+    with phases("XXH3 alone"):
+        for v in views.values():
+            digest(v)
     with phases("CRC32C alone"):
         for v in views.values():
-            crc(v)
+            digest(v, CRC32C)
     with phases("zlib CRC32 alone"):
         for v in views.values():
             zlib.crc32(v)
@@ -180,7 +186,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| the snapshot's work, one way or another (same bytes) | wall | CPU "
                   "| GB/s | vs memcpy |", "| --- | ---: | ---: | ---: | ---: |"]
     memcpy = ref["memcpy_Bps"]
-    for name in ("copy", "CRC32C alone", "zlib CRC32 alone", "fused copy + CRC32C"):
+    for name in ("copy", "XXH3 alone", "CRC32C alone", "zlib CRC32 alone",
+                 "fused copy + XXH3", "fused copy + CRC32C"):
         wall, cpu = ref[f"{name} s"], ref[f"{name} cpu s"]
         lines.append(f"| {name} | {wall:.4f} | {cpu:.4f} | {size / wall / 1e9:.2f} "
                      f"| {size / wall / memcpy:.2f} |")

@@ -1,7 +1,7 @@
 """The on-disk description of one checkpoint step (docs/FORMAT.md), validated on load.
 
 One manifest says where every key of the state lives: in which step's directory, in
-which file, with which dtype, shape and CRC32. Recovery reads a single manifest and
+which file, with which dtype, shape and checksum. Recovery reads a single manifest and
 needs nothing else to find and check every byte.
 """
 
@@ -16,9 +16,12 @@ from typing import Any
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import (
+    BITS,
+    CHECKSUM,
     CRC32,
     CRC32C,
     ITEM_SIZES,
+    XXH3,
     TensorRecord,
     checksum,
     no_duplicate_keys,
@@ -32,13 +35,16 @@ from moc.checkpoint.store.steps import (
 )
 
 FORMAT_NAME = "moc-checkpoint"
-FORMAT_VERSION = 3
-"""Version 3: an entry's checksum is a CRC32C ("crc32c") over bytes, dtype and shape
-(format.checksum), or, for a tensor a version-2 step wrote and this one inherits, that
-step's CRC32 ("crc32"), kept as it was."""
-READABLE_VERSIONS = (1, 2, 3)
-"""Version 2: every entry's "crc32", zlib's CRC32 over bytes, dtype and shape. Version 1:
-"crc32" of the bytes alone, converted to version 2's meaning on load."""
+FORMAT_VERSION = 4
+"""Version 4: an entry's checksum is a 64-bit XXH3 ("xxh3") over bytes, dtype and shape
+(format.checksum), or, for a tensor an older step wrote and this one inherits, that
+step's CRC32C ("crc32c", version 3) or CRC32 ("crc32", version 2), kept as it was."""
+READABLE_VERSIONS = (1, 2, 3, 4)
+"""Version 3: "crc32c" (CRC32C) or an inherited "crc32". Version 2: every entry's
+"crc32", zlib's CRC32 over bytes, dtype and shape. Version 1: "crc32" of the bytes
+alone, converted to version 2's meaning on load."""
+ENTRY_ALGORITHMS = {4: (XXH3, CRC32C, CRC32), 3: (CRC32C, CRC32), 2: (CRC32,), 1: (CRC32,)}
+"""The checksum fields an entry of each version may have (exactly one)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """A manifest lists keys, not tensors: a model of a million keys needs a few hundred MB.
 Anything larger is not a manifest, and is not read into memory."""
@@ -57,9 +63,10 @@ class Entry:
     shape: tuple[int, ...]
     crc: int
     """The checksum of dtype, shape and bytes (`format.checksum`)."""
-    algo: str = CRC32C
-    """Which CRC `crc` is: CRC32C, or CRC32 where a version-2 step wrote the tensor.
-    On disk the entry's field is named after it ("crc32c": ..., or "crc32": ...)."""
+    algo: str = CHECKSUM
+    """Which algorithm `crc` is: XXH3, or CRC32C / CRC32 where a version-3 / 2 step
+    wrote the tensor. On disk the entry's field is named after it ("xxh3": ...,
+    "crc32c": ..., or "crc32": ...)."""
 
     def path(self, root: Path | ObjectPath) -> Path | ObjectPath:
         return step_dir(root, self.step) / self.file
@@ -256,8 +263,7 @@ class _Malformed(ValueError):
 FIELDS = {"format", "version", "step", "mode", "layout", "model", "entries", "files",
           "extra", "experts", "policy", "experts_saved", "tokens", "model_config"}
 ENTRY_FIELDS = {"step", "file", "dtype", "shape"}
-"""And one checksum field, named after its algorithm (version 3: "crc32c" or "crc32";
-versions 1 and 2: "crc32")."""
+"""And one checksum field, named after its algorithm (`ENTRY_ALGORITHMS`)."""
 POLICY_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "selection": (str,), "apply_to": (str,), "dynamic_k": (bool,),
     "plt_threshold": (int, float), "plt_base": (int, float)}
@@ -362,7 +368,7 @@ def _unchanged(e: object, old: Entry) -> bool:
 
 def _entry(e: object, key: str, step: int, version: int) -> Entry:
     e = _dict(e, f"entries[{key!r}]")
-    algos = (CRC32C, CRC32) if version >= 3 else (CRC32,)
+    algos = ENTRY_ALGORITHMS[version]
     named = [a for a in algos if a in e]
     if len(named) != 1 or set(e) != ENTRY_FIELDS | set(named):
         expected = f"{', '.join(sorted(ENTRY_FIELDS))} and one of {', '.join(algos)}"
@@ -379,7 +385,7 @@ def _entry(e: object, key: str, step: int, version: int) -> Entry:
     if not isinstance(e["shape"], list):
         raise _Malformed(f"{what}.shape is {e['shape']!r}, expected a list")
     shape = tuple(_uint(x, f"{what}.shape") for x in e["shape"])
-    crc = _uint(e[algo], f"{what}.{algo}", 1 << 32)
+    crc = _uint(e[algo], f"{what}.{algo}", 1 << BITS[algo])
     if version == 1:  # the bytes alone; extended as version 2 defines it
         crc = checksum(e["dtype"], shape, crc, CRC32)
     return Entry(at, e["file"], e["dtype"], shape, crc, algo)

@@ -13,7 +13,7 @@ for the same step, on the snapshot thread after the copy:
 
     prefix   int64[6]: magic, version, frame length, frame CRC32C, stream bytes, chunk bytes
     frame    JSON: src, step (null: a marker, no snapshot follows), error, meta, and the
-             entries [key, dtype, shape, crc32c] in stream order
+             entries [key, dtype, shape, digest (XXH3)] in stream order
     stream   the entries' bytes, each 8-byte aligned (the receiver's compact slot layout),
              cut into chunks of `chunk bytes`
 
@@ -23,9 +23,9 @@ rank with no snapshot sends a marker for the same reason. Sends and receives of 
 are posted before either is waited for, so a ring of ranks (each sending to the next)
 cannot deadlock, and dst == src (a pair) works alike. The stream lands straight in the
 receiving slot's shared-memory mapping; the header is written (atomically) only after
-every entry's CRC32C matched the sender's, so a replica exists exactly when it is
+every entry's digest matched the sender's, so a replica exists exactly when it is
 complete and verified. Of the two slots one always holds the newest complete replica
-and is never written: a transfer cut short (a dead sender, a CRC mismatch, SIGKILL)
+and is never written: a transfer cut short (a dead sender, a digest mismatch, SIGKILL)
 costs the replica being received, never the one before it.
 
 Recovery moves a replica back to the rank that lost its node: `send_replica` (the
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.store.format import crc, tensor_bytes
+from moc.checkpoint.store.format import CRC32C, digest, tensor_bytes
 from moc.checkpoint.twolevel.sizing import snapshot_experts
 from moc.checkpoint.twolevel.slots import (
     ALIGN,
@@ -68,7 +68,7 @@ CHUNK_BYTES = 64 << 20
 """Bytes per message: large enough that per-message latency is noise, small enough that
 a rate limit is smooth and a sender's staging buffer stays small."""
 _MAGIC = 0x6D6F632D7265706C  # b"moc-repl"
-_VERSION = 2  # 2: CRC32C checksums (1: zlib CRC32)
+_VERSION = 3  # 3: XXH3 digests of the entries (2: CRC32C, 1: zlib CRC32)
 _TAG = 14
 _PREFIX = 6
 
@@ -199,7 +199,7 @@ class _Outgoing:
         self.step: int | None = frame["step"]
         self.frame = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else (
             torch.empty(0, dtype=torch.uint8))
-        self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), crc(data), size, chunk],
+        self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), digest(data, CRC32C), size, chunk],
                                    dtype=torch.int64)
         self.pieces = pieces
         self._starts = [off for off, _ in pieces]
@@ -275,7 +275,7 @@ class _Incoming:
         out = cls(size, chunk)
         data = frame.numpy().tobytes()
         try:
-            if crc(data) != frame_crc:
+            if digest(data, CRC32C) != frame_crc:
                 raise ValueError("the frame's CRC32C does not match")
             d = json.loads(data)
             if d["src"] != src:
@@ -311,11 +311,11 @@ class _Incoming:
             self.meta)
 
     def mismatch(self, buf: torch.Tensor) -> str | None:
-        """The first entry whose bytes in `buf` fail their CRC32C, or None."""
+        """The first entry whose bytes in `buf` fail their digest, or None."""
         header = self.header()
         for key, e in header.entries.items():
             raw = buf[e.offset:e.offset + _nbytes(e.dtype, e.shape)]
-            if crc(tensor_bytes(raw)) != e.crc:
+            if digest(tensor_bytes(raw)) != e.crc:
                 return key
         return None
 
@@ -423,7 +423,7 @@ def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
     that will not come. The frame carries the snapshot's own CRC32s, so a byte that
     changed in the sender's slot after its header was written is caught by the receiver.
 
-    A received replica is published only when complete with every CRC32C matched; a
+    A received replica is published only when complete with every digest matched; a
     refused one is reported (`error`) and the newest complete replica stays as it was.
     Raises CheckpointError when the group itself fails (a peer gone): the slot being
     received is then left without a header, and the group must not be used again.
@@ -479,7 +479,7 @@ def send_replica(group: dist.ProcessGroup, dst: int, store: SnapshotStore, slot:
                  header: SnapshotHeader | None, *, rate_Bps: float | None = None,
                  chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
     """Recovery, holder's side: send the copy in `slot` of `store` (a replica, or a
-    rank's own snapshot left on this node) to rank `dst`, after checking every CRC32C
+    rank's own snapshot left on this node) to rank `dst`, after checking every digest
     of it; a copy that fails them, or none (`header` None: the slot no longer holds
     it), is not sent: a marker goes instead (`receive_replica` returns None) and `error`
     says why. Blocks until sent."""
@@ -506,7 +506,7 @@ def receive_replica(group: dist.ProcessGroup, src: int
                     ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
     """Recovery, receiver's side: the replica rank `src` sends (`send_replica`), as its
     header (offsets into one CPU buffer) and verified CPU tensors (ordinary memory, not
-    shared); None when the holder had no good copy or the bytes failed their CRC32C in
+    shared); None when the holder had no good copy or the bytes failed their digests in
     transit: recover from storage then. Blocks until received."""
     _check_peers(None, src)
     held: list[torch.Tensor] = []

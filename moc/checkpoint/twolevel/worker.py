@@ -6,7 +6,7 @@ backward.
     ...                                                         # forward, backward
     header = handle.wait()     # blocks until the copy is done: right before optimizer.step()
 
-The copy releases the GIL (tensor copies, the CRC32C), so it overlaps the next forward
+The copy releases the GIL (tensor copies, the digest), so it overlaps the next forward
 and backward. `plan` decides what to copy and where; it may run collectives of its own
 (on the side group: see `moc.checkpoint.dist` for why that is safe on this thread).
 """

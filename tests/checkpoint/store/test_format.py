@@ -72,18 +72,19 @@ def test_write_all_writes_every_byte_in_order_through_short_writes(tmp_path, mon
     assert path.read_bytes() == b"".join(bytes(c) for c in chunks)
 
 
-def test_a_tensor_file_records_crc32c_and_its_phases(tmp_path):
+def test_a_tensor_file_records_xxh3_and_its_phases(tmp_path):
     phases = Phases()
     tensors = {"a": torch.randn(100), "b": torch.arange(5)}
     records = write_safetensors(tmp_path / "t.safetensors", tensors, phases=phases)
-    assert {r.algo for r in records.values()} == {"crc32c"}
+    assert {r.algo for r in records.values()} == {"xxh3"}
     assert records["a"].crc == tensor_checksum(tensors["a"])
     assert {"write", "fsync"} <= set(phases.wall)
     reader = TensorReader(tmp_path / "t.safetensors")
     assert torch.equal(reader.read("a", records["a"]), tensors["a"])
-    wrong = TensorRecord(records["a"].dtype, records["a"].shape, records["a"].crc, "crc32")
-    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-        reader.read("a", wrong)  # the same value under zlib's CRC32 is not a match
+    for other in ("crc32c", "crc32"):  # the same value under another algorithm: no match
+        wrong = TensorRecord(records["a"].dtype, records["a"].shape, records["a"].crc, other)
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            reader.read("a", wrong)
 
 
 @pytest.mark.parametrize("size", [0, 5, 4096, (8 << 20) + 13])

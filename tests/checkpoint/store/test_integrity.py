@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -146,7 +147,7 @@ def test_an_entry_naming_a_file_outside_the_directory_is_corrupt(ckpt_dir, forei
     outside = step_dir(foreign, 2) / rank_file(0)
     name = str(outside) if how == "absolute" else os.path.relpath(outside, step_dir(ckpt_dir, 2))
     for key, entry in d["entries"].items():  # the foreign weights, with their own CRCs
-        entry.update(file=name, crc32c=theirs["entries"][key]["crc32c"])
+        entry.update(file=name, xxh3=theirs["entries"][key]["xxh3"])
     _write_manifest(ckpt_dir, 2, d)
     _assert_verify_flags_step_2(ckpt_dir, "rank-NNNNN.safetensors")
     _assert_step_2_rejected(ckpt_dir, "rank-NNNNN.safetensors")
@@ -166,7 +167,7 @@ def test_a_step_directory_that_is_a_symlink_out_of_the_directory_is_corrupt(
 def test_a_tensor_file_that_is_a_symlink_is_corrupt(ckpt_dir, foreign):
     d, theirs = _manifest(ckpt_dir, 2), _manifest(foreign, 2)
     for key, entry in d["entries"].items():
-        entry["crc32c"] = theirs["entries"][key]["crc32c"]
+        entry["xxh3"] = theirs["entries"][key]["xxh3"]
     _write_manifest(ckpt_dir, 2, d)
     (step_dir(ckpt_dir, 2) / rank_file(0)).unlink()
     (step_dir(ckpt_dir, 2) / rank_file(0)).symlink_to(step_dir(foreign, 2) / rank_file(0))
@@ -213,43 +214,54 @@ def test_a_shape_swapped_in_the_header_only_is_corrupt(ckpt_dir):
     _assert_step_2_rejected(ckpt_dir, "the manifest records")
 
 
+OLDER_ALGO = {1: "crc32", 2: "crc32", 3: "crc32c"}
+
+
 def _older_manifests(ckpt_dir: Path, version: int) -> None:
     """Steps 1 and 2 rewritten as an older moc wrote them: zlib CRC32s ("crc32"), of the
-    bytes alone (version 1) or extended over dtype and shape (version 2)."""
+    bytes alone (version 1) or extended over dtype and shape (version 2), or CRC32Cs
+    over the same (version 3). Computed here with zlib and crc32c themselves."""
     for step in (1, 2):
         d = _manifest(ckpt_dir, step)
         tensors = load_file(step_dir(ckpt_dir, step) / rank_file(0))
         for key, entry in d["entries"].items():
             t = tensors[key].reshape(-1)
-            data = zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
-            del entry["crc32c"]
-            entry["crc32"] = data if version == 1 else zlib.crc32(
-                descriptor(entry["dtype"], tuple(entry["shape"])), data)
+            raw = t.view(torch.uint8).numpy() if t.numel() else b""
+            desc = descriptor(entry["dtype"], tuple(entry["shape"]))
+            del entry["xxh3"]
+            if version == 3:
+                entry["crc32c"] = crc32c.crc32c(desc, crc32c.crc32c(raw))
+            else:
+                data = zlib.crc32(raw)
+                entry["crc32"] = data if version == 1 else zlib.crc32(desc, data)
         d["version"] = version
         _write_manifest(ckpt_dir, step, d)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_older_manifests_with_zlib_crcs_still_restore_and_continue(ckpt_dir, version):
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_older_manifests_with_older_checksums_still_restore_and_continue(ckpt_dir, version):
     _older_manifests(ckpt_dir, version)
     assert verify_checkpoints(ckpt_dir).ok
     ckpt = _ckpt(ckpt_dir)
     assert ckpt.restore().step == 2
-    ckpt.save(3, {"step": 3})  # a new version-3 step, on top of the older chain
+    ckpt.save(3, {"step": 3})  # a new version-4 step, on top of the older chain
     ckpt.close()
     d = _manifest(ckpt_dir, 3)
-    assert d["version"] == 3
-    # What step 3 wrote has CRC32Cs; what it inherits keeps the older step's CRC32.
-    algos = {e["step"]: {a for a in ("crc32", "crc32c") if a in e} for e in d["entries"].values()}
-    assert algos[3] == {"crc32c"} and all(a == {"crc32"} for s, a in algos.items() if s < 3)
+    assert d["version"] == 4
+    # What step 3 wrote has XXH3s; what it inherits keeps the older step's checksum.
+    algos = {e["step"]: {a for a in ("crc32", "crc32c", "xxh3") if a in e}
+             for e in d["entries"].values()}
+    assert algos[3] == {"xxh3"}
+    assert all(a == {OLDER_ALGO[version]} for s, a in algos.items() if s < 3)
     assert verify_checkpoints(ckpt_dir).ok
     assert _ckpt(ckpt_dir).restore().step == 3
 
 
-def test_a_zlib_crc_is_still_checked(ckpt_dir):
-    """An inherited version-2 checksum is a real check, not a pass: a flipped byte in a
-    file of a version-2 step fails it."""
-    _older_manifests(ckpt_dir, 2)
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_checksum_is_still_checked(ckpt_dir, version):
+    """An inherited version-2 or -3 checksum is a real check, not a pass: a flipped
+    byte in a file of such a step fails it."""
+    _older_manifests(ckpt_dir, version)
     path = step_dir(ckpt_dir, 2) / rank_file(0)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -257,11 +269,14 @@ def test_a_zlib_crc_is_still_checked(ckpt_dir):
     _assert_verify_flags_step_2(ckpt_dir, "checksum mismatch")
 
 
-def test_a_version_2_manifest_may_not_claim_crc32c(ckpt_dir):
-    """Version 2 knew only "crc32": a version-2 manifest with "crc32c" entries is not
-    one moc wrote."""
+@pytest.mark.parametrize(("version", "algo"), [(2, "crc32c"), (2, "xxh3"), (3, "xxh3")])
+def test_an_older_manifest_may_not_claim_a_newer_checksum(ckpt_dir, version, algo):
+    """Version 2 knew only "crc32", version 3 "crc32c" and "crc32": an older manifest
+    with entries of a later algorithm is not one moc wrote."""
     d = _manifest(ckpt_dir, 2)
-    d["version"] = 2
+    d["version"] = version
+    for entry in d["entries"].values():
+        entry[algo] = entry.pop("xxh3")
     _write_manifest(ckpt_dir, 2, d)
     _assert_step_2_rejected(ckpt_dir, "crc32")
 
@@ -343,7 +358,7 @@ def test_duplicate_json_keys_are_corrupt():
         Manifest.from_json(text.replace('{', '{"mode": "evil", ', 1), "m")
 
 
-@pytest.mark.parametrize("version", [0, 4, 99])
+@pytest.mark.parametrize("version", [0, 5, 99])
 def test_another_int_version_is_incompatible(version):
     with pytest.raises(IncompatibleCheckpointError, match="format version"):
         Manifest.from_json(_tampered_manifest(_set("version", version)), "m")

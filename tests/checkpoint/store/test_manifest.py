@@ -52,7 +52,7 @@ def test_the_next_step_takes_unchanged_entries_from_the_known_manifest():
     known = Manifest.from_json(_manifest_json(entries={"param/x": _entry_json(),
                                                        "param/y": _entry_json()}), "m")
     text = _manifest_json(step=5, entries={"param/x": _entry_json(),  # carried over
-                                           "param/y": _entry_json(step=5, crc32c=9)})
+                                           "param/y": _entry_json(step=5, xxh3=9)})
     fresh = Manifest.from_json(text, "m")
     m = Manifest.from_json(text, "m", known=known)
     assert m == fresh
@@ -61,9 +61,9 @@ def test_the_next_step_takes_unchanged_entries_from_the_known_manifest():
 
 
 @pytest.mark.parametrize("changes", [
-    {"step": True}, {"crc32c": 123.0}, {"shape": [2.0, 4]}, {"shape": [2, True]},
+    {"step": True}, {"xxh3": 123.0}, {"shape": [2.0, 4]}, {"shape": [2, True]},
     {"shape": [2, 4, 1]}, {"dtype": "F99"}, {"file": "../x"}, {"extra": 1},
-    {"crc32c": None, "crc32": 123},
+    {"xxh3": None, "crc32c": 123}, {"xxh3": None, "crc32": 123}, {"crc32c": 123},
 ])
 def test_an_entry_that_differs_from_the_known_one_in_any_way_is_checked_again(changes):
     # Values that equal the known entry's in Python (JSON true == 1 == 1.0) but that a
@@ -78,9 +78,19 @@ def test_an_entry_that_differs_from_the_known_one_in_any_way_is_checked_again(ch
         with pytest.raises(CorruptCheckpointError, match="malformed") as got:
             Manifest.from_json(text, "m", known=known)
         assert str(got.value) == str(e)
-    else:  # still well-formed (a zlib CRC32 of the same value): its own entry
+    else:  # still well-formed (a CRC32C or CRC32 of the same value): its own entry
         m = Manifest.from_json(text, "m", known=known)
         assert m == fresh and m.entries["param/x"] is not known.entries["param/x"]
+
+
+@pytest.mark.parametrize(("algo", "bits"), [("xxh3", 64), ("crc32c", 32), ("crc32", 32)])
+def test_a_checksum_wider_than_its_algorithm_is_malformed(algo, bits):
+    entry = {k: v for k, v in _entry_json().items() if k != "xxh3"}
+    ok = Manifest.from_json(_manifest_json(entries={"param/x": {**entry, algo: 2**bits - 1}}),
+                            "m")
+    assert ok.entries["param/x"].crc == 2**bits - 1 and ok.entries["param/x"].algo == algo
+    with pytest.raises(CorruptCheckpointError, match=f"below {2**bits}"):
+        Manifest.from_json(_manifest_json(entries={"param/x": {**entry, algo: 2**bits}}), "m")
 
 
 def test_a_known_entry_newer_than_the_step_is_not_taken():

@@ -8,10 +8,10 @@ import stat
 
 import pytest
 import torch
+import xxhash
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.store.format import crc, tensor_bytes
 from moc.checkpoint.twolevel import slots
 from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, remove_stale_jobs
 
@@ -54,15 +54,15 @@ def test_a_slot_is_not_a_snapshot_until_its_header_is_written(monkeypatch):
     assert 1 in store.headers()
     # While slot 1 is overwritten its header is gone: a crash mid-copy leaves no snapshot.
     calls = []
-    real = slots.crc
 
-    def crash_mid_copy(data, value=0):  # the second chunk's checksum, after its copy
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("killed")
-        return real(data, value)
+    class CrashMidCopy(slots.Digest):  # the second chunk's digest, after its copy
+        def update(self, data):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("killed")
+            super().update(data)
 
-    monkeypatch.setattr(slots, "crc", crash_mid_copy)
+    monkeypatch.setattr(slots, "Digest", CrashMidCopy)
     with pytest.raises(RuntimeError):
         store.write(1, 20, _state(), {})
     monkeypatch.undo()
@@ -158,9 +158,10 @@ def test_a_world_writable_shm_root_without_the_sticky_bit_is_refused(tmp_path, m
 # -- issue 15: checksums while copying, phases, readers that keep their mappings
 
 
-def test_the_checksum_taken_while_copying_is_the_crc32c_of_each_tensor(monkeypatch):
+def test_the_checksum_taken_while_copying_is_the_xxh3_of_each_tensor(monkeypatch):
     """Tensors over several copy chunks, a non-contiguous one, an empty one: each
-    entry's CRC is the CRC32C of exactly its bytes, as a separate pass computes it."""
+    entry's digest is the XXH3-64 of exactly its bytes, as xxhash computes it in one
+    call (a digest continued wrongly across chunks, or over the wrong bytes, fails)."""
     monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", 64)
     state = {"big": torch.randn(1000), "t": torch.randn(30, 20).t(),
              "empty": torch.empty(0), "odd": torch.arange(37, dtype=torch.int16)}
@@ -168,22 +169,40 @@ def test_the_checksum_taken_while_copying_is_the_crc32c_of_each_tensor(monkeypat
     phases = Phases()
     header = store.write(0, 3, state, {}, phases=phases)
     for key, t in state.items():
-        assert header.entries[key].crc == crc(tensor_bytes(t.contiguous())), key
-    got = store.read(0, header)  # verify=True checks the same CRCs
+        want = xxhash.xxh3_64_intdigest(t.contiguous().numpy().tobytes())
+        assert header.entries[key].crc == want, key
+    got = store.read(0, header)  # verify=True checks the same digests
     assert all(torch.equal(got[k], t) for k, t in state.items())
     assert {"reserve", "copy", "header"} <= set(phases.wall)
     assert phases.cpu["copy"] > 0
 
 
-def test_a_header_of_another_checksum_is_no_snapshot():
-    """A slot an older moc left in memory (zlib CRC32s, no "checksum" tag) is not a
-    recovery source: it cannot be verified with this one's CRC32C."""
+@pytest.mark.parametrize("tag", [None, "crc32c", "crc32"])
+def test_a_header_of_another_checksum_is_no_snapshot(tag):
+    """A slot an older moc left in memory (CRC32Cs, or zlib CRC32s with no
+    "checksum" tag) is not a recovery source: this one cannot verify it."""
     store = SnapshotStore("job", rank=0)
     store.write(0, 3, {"x": torch.arange(4)}, {})
     d = json.loads(store.header_path(0).read_text())
-    del d["checksum"]
+    assert d["checksum"] == "xxh3"
+    if tag is None:
+        del d["checksum"]
+    else:
+        d["checksum"] = tag
     store.header_path(0).write_text(json.dumps(d))
     assert store.headers() == {} and store.header(0) is None
+
+
+def test_a_flipped_byte_in_a_slot_fails_its_digest():
+    """verify=True reads every byte again: one flipped bit of one tensor is refused."""
+    store = SnapshotStore("job", rank=0)
+    state = {"x": torch.randn(5000), "y": torch.randn(7)}
+    header = store.write(0, 3, state, {})
+    buf = store._map(0, store.bin_path(0).stat().st_size)
+    buf[header.entries["x"].offset + 4093] ^= 0x10
+    with pytest.raises(CheckpointError, match="checksum mismatch for 'x'"):
+        store.read(0, header)
+    assert torch.equal(store.read(0, header, keys=["y"])["y"], state["y"])  # the rest is fine
 
 
 def test_a_reader_maps_a_replaced_slot_file_afresh():
