@@ -16,8 +16,10 @@ Then a restore from memory and one from storage (with the files' pages dropped f
 page cache first, where the kernel lets us: posix_fadvise DONTNEED after an fsync), and
 the references the numbers should be read against, on the same bytes: memcpy, the
 checksum alone (XXH3; CRC32C, format version 3's; zlib's CRC32, version 2's), the
-fused copy with each, copying then checksumming
-in two passes against the fused copy, and the disk's fsynced write bandwidth.
+fused copy with each (numpy's copy, then the digest of the copy from cache), the streamed
+copy (the digest of the source, then streaming stores: moc's where it is built),
+copying then checksumming in two passes against the fused copy, and the disk's fsynced
+write bandwidth.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning
 from moc.checkpoint.store.format import CRC32C, digest, tensor_bytes
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import copy_and_checksum, slot_layout
+from moc.checkpoint.twolevel.slots import STREAMING, copy_and_checksum, slot_layout
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from moc.train.config import PRESETS
@@ -111,10 +113,13 @@ def references(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, float
     copy_and_checksum(slot, offsets, state)  # warm: every page touched once
     out: dict[str, float] = {"snapshot_bytes": float(size)}
     phases = Phases()
+    if STREAMING:
+        with phases("streamed copy + XXH3"):
+            copy_and_checksum(slot, offsets, state, streaming=True)
     with phases("fused copy + XXH3"):
-        copy_and_checksum(slot, offsets, state)
+        copy_and_checksum(slot, offsets, state, streaming=False)
     with phases("fused copy + CRC32C"):
-        copy_and_checksum(slot, offsets, state, CRC32C)
+        copy_and_checksum(slot, offsets, state, CRC32C, streaming=False)
     with phases("copy"):
         for key, t in state.items():
             n = t.numel() * t.element_size()
@@ -187,7 +192,9 @@ def markdown(result: dict[str, Any]) -> str:
                   "| GB/s | vs memcpy |", "| --- | ---: | ---: | ---: | ---: |"]
     memcpy = ref["memcpy_Bps"]
     for name in ("copy", "XXH3 alone", "CRC32C alone", "zlib CRC32 alone",
-                 "fused copy + XXH3", "fused copy + CRC32C"):
+                 "streamed copy + XXH3", "fused copy + XXH3", "fused copy + CRC32C"):
+        if f"{name} s" not in ref:  # no streaming copy in this build
+            continue
         wall, cpu = ref[f"{name} s"], ref[f"{name} cpu s"]
         lines.append(f"| {name} | {wall:.4f} | {cpu:.4f} | {size / wall / 1e9:.2f} "
                      f"| {size / wall / memcpy:.2f} |")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import stat
 
 import pytest
@@ -158,11 +160,19 @@ def test_a_world_writable_shm_root_without_the_sticky_bit_is_refused(tmp_path, m
 # -- issue 15: checksums while copying, phases, readers that keep their mappings
 
 
-def test_the_checksum_taken_while_copying_is_the_xxh3_of_each_tensor(monkeypatch):
+COPIES = [pytest.param(True, id="streamed", marks=pytest.mark.skipif(
+    not slots.STREAMING, reason="no streaming copy in this build")),
+    pytest.param(False, id="numpy")]
+
+
+@pytest.mark.parametrize("streaming", COPIES)
+def test_the_checksum_taken_while_copying_is_the_xxh3_of_each_tensor(monkeypatch, streaming):
     """Tensors over several copy chunks, a non-contiguous one, an empty one: each
     entry's digest is the XXH3-64 of exactly its bytes, as xxhash computes it in one
-    call (a digest continued wrongly across chunks, or over the wrong bytes, fails)."""
+    call (a digest continued wrongly across chunks, or over the wrong bytes, fails),
+    whichever way the chunks are copied."""
     monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", 64)
+    monkeypatch.setattr("moc.checkpoint.twolevel.slots.STREAMING", streaming)
     state = {"big": torch.randn(1000), "t": torch.randn(30, 20).t(),
              "empty": torch.empty(0), "odd": torch.arange(37, dtype=torch.int16)}
     store = SnapshotStore("job", rank=0)
@@ -215,3 +225,58 @@ def test_a_reader_maps_a_replaced_slot_file_afresh():
     writer.bin_path(0).unlink()
     again = SnapshotStore("job", rank=0).write(0, 2, {"x": torch.ones(256)}, {})
     assert torch.equal(reader.read(0, again)["x"], torch.ones(256))
+
+
+@pytest.mark.skipif(not slots.STREAMING, reason="no streaming copy in this build")
+@pytest.mark.parametrize("chunk", [64, 100, 4096])
+def test_the_streamed_copy_writes_exactly_the_bytes_the_numpy_copy_writes(monkeypatch, chunk):
+    """Streaming stores need a 16-byte aligned destination, so the copy splits each chunk
+    into a head, 64-byte blocks and a tail: offsets 8 bytes off alignment, chunks that
+    are not a multiple of 16, and sizes around every boundary must come out byte for
+    byte as numpy's copy does, with the same digests, and write nothing outside them."""
+    monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 1000, 4097, 10_001]
+    state = {f"t{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+             for n in sizes}
+    offsets, size = slots.slot_layout(state)
+    assert any(off % 16 == 8 for off in offsets.values())  # a head to copy, not only blocks
+    out = {}
+    for streaming in (True, False):
+        buf = torch.full((size + 64,), 0xA5, dtype=torch.uint8)  # 64 guard bytes after
+        out[streaming] = (buf, slots.copy_and_checksum(buf[:size], offsets, state,
+                                                       streaming=streaming))
+    (streamed, s_digests), (copied, c_digests) = out[True], out[False]
+    assert torch.equal(streamed, copied)
+    assert s_digests == c_digests
+    assert torch.all(streamed[size:] == 0xA5)
+    for key, t in state.items():
+        assert torch.equal(streamed[offsets[key]:offsets[key] + t.numel()], t), key
+
+
+@pytest.mark.skipif(not slots.STREAMING, reason="no streaming copy in this build")
+def test_the_streaming_copy_refuses_buffers_it_cannot_copy_exactly():
+    """Lengths that differ, a read-only destination, a strided buffer: each is refused
+    with what was expected, never copied in part."""
+    from moc.checkpoint.twolevel import streamcopy
+
+    dst, src = bytearray(10), bytes(range(10))
+    with pytest.raises(ValueError, match="dst is 9 bytes but src is 10"):
+        streamcopy.copy(memoryview(dst)[:9], src)
+    with pytest.raises(TypeError):
+        streamcopy.copy(src, bytes(10))
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        streamcopy.copy(memoryview(dst)[::2], src[:5])
+    assert dst == bytearray(10)
+    streamcopy.copy(dst, src)
+    assert dst == bytearray(src)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64")
+                    or not (shutil.which("cc") or shutil.which("gcc")),
+                    reason="the streaming copy is built on x86-64 with a C compiler")
+def test_the_streaming_copy_is_built_where_it_can_be():
+    """setup.py builds the extension as optional, so a failed build would silently fall
+    back to numpy's copy: where a compiler is there, the build must have worked."""
+    assert slots.STREAMING, ("moc.checkpoint.twolevel.streamcopy did not build: run "
+                             "`pip install -e .` and read its compiler errors")
