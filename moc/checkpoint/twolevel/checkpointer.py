@@ -56,6 +56,8 @@ import dataclasses
 import logging
 import secrets
 import time
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moc.checkpoint.api import (
     CheckpointEngine,
@@ -165,6 +168,29 @@ class _InFlight:
                     **({"persist": d.phases} if d is not None and d.phases else {})})
 
 
+def _wait_before_optimizer_steps(engine: weakref.ref[TwoLevelCheckpointer]
+                                 ) -> Callable[..., None]:
+    """A pre-hook for every optimizer's step: a step of an optimizer over the engine's
+    model waits for the snapshot being copied, as `wait_for_snapshot()` would.
+
+    The contract asks the loop to call `wait_for_snapshot()` before `optimizer.step()`.
+    A loop that does not (a framework's own loop, a forgotten line) would otherwise
+    update the parameters and moments while they are being copied, and the snapshot
+    would hold some of each step. Hooked, it cannot: the step waits, as it would have
+    in `wait_for_snapshot()`. The hook is global (torch's list for every optimizer),
+    so that optimizers the engine was not given (a ZeRO partition's inner one, a
+    second optimizer over some of the same parameters) wait too; outside a snapshot it
+    returns at once. Held by weak reference: a dropped engine is not kept alive."""
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ckpt = engine()
+        if ckpt is None or ckpt._handle is None:
+            return
+        ours = {id(q) for q in ckpt.parts.state.model.parameters()}
+        if any(id(q) in ours for g in optimizer.param_groups for q in g["params"]):
+            ckpt.wait_for_snapshot()
+    return hook
+
+
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     """Two-level checkpointing on one node (MoC-System's): `save` returns at once; a
     snapshot thread copies the state into node-local shared memory behind the next
@@ -254,6 +280,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
+        self._step_hook = register_optimizer_step_pre_hook(
+            _wait_before_optimizer_steps(weakref.ref(self)))
 
     def _start_persist(self) -> tuple[PersistClient, str]:
         """Collective: each node's leader claims the job's shared memory on its node and
@@ -293,7 +321,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Start a checkpoint of `step` and return at once.
 
         This thread only takes what cannot wait (the routed-token counts and the RNG
-        state of this step, a copy of `extra_state`) and hands the checkpoint to the
+        state of this step, a copy of `extra_state`, the persistent buffers and param
+        groups: `RankState.capture`) and hands the checkpoint to the
         snapshot thread, which does the rest behind the next forward and backward pass.
         Training waits only in `wait_for_snapshot()`, and only if all that outlasts the
         window. The result comes out of `drain_completed()`.
@@ -321,6 +350,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             self.parts.tidy.before_write()
         counts = self.parts.ledger.take_pending()
         rng = torch.get_rng_state()
+        captured = self.parts.state.capture() if rejected is None else None
         ready = None
         if any(q.is_cuda for q in self.parts.state.model.parameters()):
             ready = torch.cuda.Event()  # the copy waits for the work queued so far
@@ -328,7 +358,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         planner = self.planner
         self._handle = SnapshotHandle(self.worker, self.store, step,
                                       lambda: planner.plan(step, counts, rng, extra, final,
-                                                           rejected), ready)
+                                                           rejected, captured), ready)
         record = self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
         if self.replicas is not None:
             handle = self._handle
@@ -541,6 +571,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             failures = p.dist.agree(self.planner.take_error())
         finally:
             try:
+                self._step_hook.remove()
                 self.persist.stop()
             finally:
                 self.worker.stop()

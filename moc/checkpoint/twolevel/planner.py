@@ -331,16 +331,19 @@ class SnapshotPlanner:
     # -- one checkpoint ----------------------------------------------------------------------
 
     def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
-             final: bool = False, rejected: str | None = None) -> SnapshotJob:
+             final: bool = False, rejected: str | None = None,
+             captured: dict[str, torch.Tensor] | None = None) -> SnapshotJob:
         """On the snapshot thread: what `step`'s snapshot copies and where, and its
         persist request. Collective (one small all-reduce). `final`: every expert is
         snapshotted and persisted, after the persist in flight. `rejected`: why this
-        rank's save arguments were refused; the plan then fails on every rank."""
+        rank's save arguments were refused; the plan then fails on every rank.
+        `captured`: the buffers and param groups taken at `save()` (`RankState.capture`)."""
         with self.lock:
-            return self._plan(step, counts, rng, extra, final, rejected)
+            return self._plan(step, counts, rng, extra, final, rejected, captured)
 
     def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
-              final: bool, rejected: str | None) -> SnapshotJob:
+              final: bool, rejected: str | None,
+              captured: dict[str, torch.Tensor] | None) -> SnapshotJob:
         g, chain, ledger, cfg = self.groups, self.chain, self.ledger, self.config
         n_rejected = self.share(block=final or cfg.persist_policy == "wait", counts=counts,
                                 rejected=rejected is not None)
@@ -361,7 +364,7 @@ class SnapshotPlanner:
         selected = chain.all_experts() if final else chain.select(step, ledger)
         wanted = chain.wanted(selected, step)
         written = chain.written(selected, step)
-        state = self.state.flatten(rng)
+        state = self.state.flatten(rng, captured)
         write = rank_share(self.state, g.layout, state, wanted) if persist_now else []
         slot = next(s for s in range(N_SLOTS) if s not in (self.newest_slot, self.persist_slot))
         experts = snapshot_experts(self.state.spec.n_experts, self.state.spec.n_moe_layers,

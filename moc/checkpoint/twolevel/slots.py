@@ -365,6 +365,7 @@ class SnapshotStore:
             buf = self._map(slot, size, allocate=True)
             self._reserve_free_slots(size)
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        versions = {key: _version(t) for key, t in tensors.items()}  # before any byte is read
         if device is None:
             with phases("copy"):
                 crcs = copy_and_checksum(buf, offsets, tensors)
@@ -376,6 +377,9 @@ class SnapshotStore:
                 views = self._copy_gpu(slot, buf, offsets, tensors, ready)
             with phases("checksum"):
                 crcs = {key: digest(tensor_bytes(v)) for key, v in views.items()}
+        changed = [key for key, t in tensors.items() if _version(t) != versions[key]]
+        if changed:
+            raise StateChangedError(step, changed)
         entries = {key: SlotEntry(offsets[key], str(t.dtype).removeprefix("torch."),
                                   tuple(t.shape), crcs[key]) for key, t in tensors.items()}
         header = SnapshotHeader(step, entries, meta)
@@ -437,6 +441,31 @@ class SnapshotStore:
                                       f"checksum mismatch for {key!r}")
             out[key] = raw.view(dtype).view(e.shape)
         return out
+
+
+class StateChangedError(CheckpointError):
+    """The state was changed in place while its snapshot was being copied: the copy
+    holds some of each version, so it is discarded (its header is never written)."""
+
+    def __init__(self, step: int, keys: list[str]) -> None:
+        few = ", ".join(repr(k) for k in sorted(keys)[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        super().__init__(
+            f"the state changed while the snapshot of step {step} was being copied "
+            f"({few}{more} modified in place), so the snapshot was discarded; call "
+            "wait_for_snapshot() before anything that changes parameters, optimizer "
+            "state or buffers in place (optimizer.step() waits by itself)")
+        self.step, self.keys = step, keys
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """`t`'s version counter: every in-place change of a tensor, or of a view of its
+    storage made through torch (the optimizer's foreach updates too), increments it, and
+    a view shares its base's. None for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def copy_and_checksum(buf: torch.Tensor, offsets: dict[str, int],
