@@ -335,10 +335,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if step in self._in_flight:
             raise ValueError(f"step {step} is already being checkpointed (its persist is "
                              "not reported yet); save each step once")
-        rejected, extra = None, {}
+        rejected, extra, captured = None, {}, None
         try:
             self.parts.check_can_save()
             extra = checked_save(step, extra_state)
+            captured = self.parts.state.capture()
         except ValueError as e:
             if not self.parts.groups.distributed:
                 raise
@@ -350,7 +351,6 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             self.parts.tidy.before_write()
         counts = self.parts.ledger.take_pending()
         rng = torch.get_rng_state()
-        captured = self.parts.state.capture() if rejected is None else None
         ready = None
         if any(q.is_cuda for q in self.parts.state.model.parameters()):
             ready = torch.cuda.Event()  # the copy waits for the work queued so far
