@@ -76,6 +76,9 @@ def test_an_optimizer_step_without_wait_for_snapshot_waits_for_the_copy(tmp_path
     _train(model, opt, ckpt, 2)  # step 2's snapshot is in flight
     at_save = _state(model, opt)
     _step(model, opt, 3)
+    unrelated = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    unrelated.step()  # another model's optimizer does not wait for this engine
+    assert ckpt._handle is not None
     opt.step()  # no wait_for_snapshot(): the step must wait by itself
     assert ckpt._handle is None  # it did: the snapshot was waited for before the update
     ckpt.flush()
