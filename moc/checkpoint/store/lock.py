@@ -27,10 +27,13 @@ An object store has no flock and no kernel to release a lock when its holder die
 There the lock is the object `<prefix>/moc.lock`, created only if absent (a conditional
 put, If-None-Match, on S3; a check then a write elsewhere, which two jobs can race) and
 deleted at release. An existing lock object is taken over only when it names a process
-on this host that is gone (a torchrun restart after a crash); one held by a live process
-here, or by any process of another host, refuses the job with DirectoryInUseError naming
-it: a lock left by a job that died on another host must be deleted by hand (the error
-says which object). docs/THREAT_MODEL.md, "Object storage".
+that this process can prove is gone: same host name, same boot (the kernel's boot_id),
+same PID namespace, and that pid either absent or now a different process (its start
+time differs). A host name alone proves nothing: two containers sharing one (host
+networking) each see the other's pids as absent. Any other lock refuses the job with
+DirectoryInUseError naming it: a lock left by a job that died on another host, another
+container or before a reboot must be deleted by hand (the error says which object).
+docs/THREAT_MODEL.md, "Object storage".
 """
 
 from __future__ import annotations
@@ -80,7 +83,38 @@ def _holder_info() -> dict[str, object]:
         user = str(os.getuid())
     return {"host": socket.gethostname(), "pid": os.getpid(), "user": user,
             "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": " ".join(sys.argv)[:500]}
+            "command": " ".join(sys.argv)[:500],
+            **_process_space(), "started": _start_time(os.getpid())}
+
+
+def _read_proc(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_space() -> dict[str, str | None]:
+    """What a pid is relative to: this boot of this machine and this PID namespace.
+    None where the system does not say (no /proc): then only the host name is known."""
+    try:
+        ns: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = None
+    return {"boot_id": _read_proc("/proc/sys/kernel/random/boot_id"), "pid_ns": ns}
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22):
+    with the pid, it names one process even after the pid is reused. None when unknown."""
+    stat = _read_proc(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    try:
+        # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+        return int(stat.rpartition(")")[2].split()[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def describe_holder(path: Path | ObjectPath) -> str:
@@ -169,7 +203,8 @@ class DirectoryLock:
                     f"checkpoint directory {root} is in use by another job: "
                     f"{describe_holder(path)}. A directory belongs to one job at a time; "
                     "wait for that job to end, or use another directory. If that job is "
-                    f"gone (it ran on another host and crashed), delete {path}")
+                    f"gone (it crashed on another host, in another container or before a "
+                    f"reboot, where moc cannot tell a dead job from a live one), delete {path}")
             _held[key] = _Held(-1, 1, token)
             return cls(key)
 
@@ -195,21 +230,27 @@ class DirectoryLock:
 
 
 def _stale(path: ObjectPath) -> bool:
-    """Whether an object lock names a process of this host that no longer runs."""
+    """Whether an object lock names a process that provably no longer runs: one of this
+    host, this boot and this PID namespace whose pid is absent or belongs to a process
+    started at another time. Anything else (another machine, container or boot, a lock
+    of an older moc that did not record these, an unreadable lock) is not ours to break."""
     try:
         info = json.loads(path.read_text())
         host, pid = info["host"], int(info["pid"])
+        space = {k: info[k] for k in ("boot_id", "pid_ns")}
+        started = info["started"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False  # unreadable: not ours to break
-    if host != socket.gethostname():
+        return False
+    if host != socket.gethostname() or space != _process_space():
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False
-    return False
+        pass  # alive, another user's: the start time still says whether it is the holder
+    now = _start_time(pid)
+    return started is not None and now is not None and now != started
 
 
 def _release_object(root: Path | ObjectPath, token: str) -> None:

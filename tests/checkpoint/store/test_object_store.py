@@ -331,6 +331,99 @@ def test_a_lock_object_of_another_host_is_not_broken(s3_url):
         DirectoryLock.acquire(s3_url)
 
 
+def _can_unshare_pids() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+TRY_LOCK = textwrap.dedent("""
+    import sys
+    from moc.checkpoint.store.lock import DirectoryInUseError, DirectoryLock
+    try:
+        DirectoryLock.acquire(sys.argv[1])
+    except DirectoryInUseError as e:
+        print("refused:", e)
+    else:
+        print("taken over")
+""")
+
+
+@pytest.mark.skipif(not _can_unshare_pids(), reason="needs unshare(1) with user namespaces")
+def test_a_job_in_another_pid_namespace_does_not_take_a_live_lock_over(s3_url):
+    """The attack: a second job in a container that shares the host name (host
+    networking) but not the PID namespace. The holder's pid does not exist in there, so
+    a check by host name and pid alone would call the live holder gone."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, s3_url], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c",
+                            TRY_LOCK, s3_url], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.stdout.startswith(f"refused: checkpoint directory {s3_url} is in use"), \
+            r.stdout + r.stderr[-2000:]
+        assert f"pid {holder.pid} on" in r.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _plant_lock(url: str, **fields) -> ObjectPath:
+    """A lock object as another process wrote it: this process's identity unless
+    `fields` says otherwise."""
+    from moc.checkpoint.store.lock import _holder_info
+    lock = open_root(url) / LOCK_FILE
+    lock.write_confirmed(json.dumps({**_holder_info(), "token": "theirs",
+                                     **fields}).encode())
+    return lock
+
+
+@pytest.mark.parametrize("other", [
+    # A container with host networking: same host name, its own PID namespace, so the
+    # holder's pid does not exist here whether or not the holder runs.
+    {"pid_ns": "pid:[1]"},
+    # The same host name after a reboot, or another machine named alike.
+    {"boot_id": "00000000-0000-0000-0000-000000000000"},
+    # An older moc's lock, which recorded neither.
+    {"boot_id": None, "pid_ns": None, "started": None},
+], ids=["another-pid-namespace", "another-boot", "no-identity"])
+def test_a_lock_whose_holder_cannot_be_proven_gone_is_not_broken(s3_url, other):
+    lock = _plant_lock(s3_url, pid=_dead_pid(), **other)
+    with pytest.raises(DirectoryInUseError, match=f"delete {lock}"):
+        DirectoryLock.acquire(s3_url)
+    assert json.loads(lock.read_text())["token"] == "theirs"
+
+
+def test_a_lock_whose_pid_now_names_another_process_is_taken_over(s3_url):
+    """The pid was reused: a live process, but one started after the lock was written."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from moc.checkpoint.store.lock import _start_time
+        started = _start_time(other.pid)
+        assert started is not None
+        lock = _plant_lock(s3_url, pid=other.pid, started=started - 1)
+        DirectoryLock.acquire(s3_url).release()
+        assert not lock.is_file()
+        # The same pid with its own start time is its holder: refused.
+        _plant_lock(s3_url, pid=other.pid, started=started)
+        with pytest.raises(DirectoryInUseError, match=f"pid {other.pid} on"):
+            DirectoryLock.acquire(s3_url)
+    finally:
+        other.kill()
+        other.wait()
+    DirectoryLock.acquire(s3_url).release()  # now gone: taken over
+
+
 def test_a_missing_bucket_is_a_clear_error(s3_url):
     url = "s3://no-such-bucket-moc/run"
     with pytest.raises(CheckpointError, match=r"no-such-bucket-moc.*bucket"):
