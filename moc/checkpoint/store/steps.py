@@ -25,7 +25,6 @@ plan's; this module only names directories and moves them.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -54,6 +53,10 @@ object store SIGKILLs itself after every object is confirmed and before the mani
 written (the crash the commit protocol must survive)."""
 SUPERSEDED = "manifest.superseded.json"
 """What retention renames a demoted step's manifest.json to (`store.retention`)."""
+CORRUPT_SUFFIX = ".corrupt"
+"""`step-N.corrupt`: where `set_aside` moves a step that failed verification."""
+CORRUPT_NOTE = "CORRUPT.txt"
+"""In a set-aside step: why it was set aside."""
 
 
 def step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
@@ -224,21 +227,24 @@ def put_back_replaced(root: Path | ObjectPath) -> list[Path]:
     return out
 
 
-def set_aside(root: Path, step: int, reason: str) -> Path:
-    """Rename a complete step that failed verification to `step-N.corrupt`.
+def set_aside(root: Path | ObjectPath, step: int, reason: str) -> Path | ObjectPath:
+    """Move a complete step that failed verification to `step-N.corrupt`.
 
     Kept for inspection rather than deleted, and out of the way: it is never read again,
-    retention does not count it among the newest steps, and the step number can be
-    committed anew by the run that continues from an older step.
+    retention does not count it among the newest steps (where it would crowd out the
+    intact step a run continued from), and the step number can be committed anew by the
+    run that continues from an older step.
 
     A step that is a symbolic link is set aside as the link: the reason is logged, not
-    written into the directory it points to. Raises OSError when the root cannot be
-    written (a read-only file system): the caller decides whether that matters.
+    written into the directory it points to. In an object store, which cannot rename,
+    the step's objects are copied server-side and then deleted, manifest first
+    (`_set_aside_objects`). Raises OSError when the root cannot be written (a read-only
+    file system, a store refusing writes): the caller decides whether that matters.
     """
     src = step_dir(root, step)
     if isinstance(src, ObjectPath):
-        raise OSError(errno.EOPNOTSUPP, f"an object store cannot rename {src}")
-    dst = Path(root) / f"{src.name}.corrupt"
+        return _set_aside_objects(src, reason)
+    dst = Path(root) / f"{src.name}{CORRUPT_SUFFIX}"
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
     elif dst.exists():
@@ -248,8 +254,24 @@ def set_aside(root: Path, step: int, reason: str) -> Path:
     if link:
         log.warning("%s was a symbolic link, renamed to %s: %s", src, dst.name, reason)
     else:
-        (dst / "CORRUPT.txt").write_text(reason + "\n")
+        (dst / CORRUPT_NOTE).write_text(reason + "\n")
     fsync_dir(Path(root))
+    return dst
+
+
+def _set_aside_objects(src: ObjectPath, reason: str) -> ObjectPath:
+    """The object-store set-aside: copy every object of `src` (the manifest among them)
+    to `step-N.corrupt/` with CORRUPT.txt, then delete the manifest of `src` (from here
+    on the step is not complete) and the rest. A crash before the manifest goes leaves
+    the step complete and corrupt, found and set aside again by the next run; one after
+    leaves `src` without a manifest, which `remove_abandoned` deletes."""
+    dst = src.parent / f"{src.name}{CORRUPT_SUFFIX}"
+    dst.remove_tree()  # an earlier set-aside copy of this step number, or a partial one
+    for name in sorted(src.listing()):
+        (src / name).copy_to(dst / name)
+    (dst / CORRUPT_NOTE).write_confirmed((reason + "\n").encode())
+    (src / MANIFEST).unlink(missing_ok=True)
+    src.remove_tree()
     return dst
 
 

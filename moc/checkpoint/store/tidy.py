@@ -5,8 +5,10 @@ Reading a checkpoint directory never changes it (docs/DECISIONS.md, "Issue 13: r
 restore and export"): `restore()`, `moc export`, `verify` and `inspect` rename and delete
 nothing. A training job still has to clean up before it writes, for two reasons:
 
-- a corrupt step left in place would count among the newest steps for retention, so it
-  is set aside (`step-N.corrupt`, with CORRUPT.txt) before the job's first commit;
+- a corrupt step left in place would count among the newest steps for retention (which
+  would then delete the intact step the run continued from), so it is set aside
+  (`step-N.corrupt`, with CORRUPT.txt; copied then deleted in an object store) before
+  the job's first commit;
 - `.tmp` directories of interrupted saves take space, so they are removed then too.
 
 `WriteTidy` remembers what a restore found and does both at the first save after it:
@@ -54,14 +56,9 @@ class WriteTidy:
             return
         self.pending = False
         for step, reason in sorted(self.corrupt.items()):
-            if isinstance(self.root, ObjectPath):
-                # No rename in an object store: the step stays, its manifest names it
-                # corrupt to every later reader, and its number is re-committed over it.
-                log.warning("corrupt step %d of %s left in place (an object store cannot "
-                            "set it aside): %s", step, self.root, reason)
-                continue
-            if not (step_dir(self.root, step) / MANIFEST).is_file() \
-                    and not step_dir(self.root, step).is_symlink():
+            d = step_dir(self.root, step)
+            linked = not isinstance(d, ObjectPath) and d.is_symlink()
+            if not (d / MANIFEST).is_file() and not linked:
                 continue  # gone or re-committed meanwhile: nothing to set aside
             try:
                 set_aside(self.root, step, reason)

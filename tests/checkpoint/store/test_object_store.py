@@ -266,6 +266,53 @@ def test_verify_on_s3_detects_a_flipped_byte(s3_url):
     assert report.step == 1
 
 
+@pytest.mark.parametrize("store", ["s3", "local"])
+def test_a_corrupt_step_is_set_aside_so_retention_keeps_the_step_resumed_from(
+        s3_url, tmp_path, store):
+    """The attack: the newest step is corrupt, a run continues from the one before and
+    commits a step below it with keep_last=1. Left in place, the corrupt step counted
+    as the newest and retention deleted the only intact one (on an object store, which
+    could not set it aside, until 2026-12-03)."""
+    url = s3_url if store == "s3" else str(tmp_path / "ckpt")
+    model, opt = _build(0)
+    ckpt = Checkpointer(model, opt, url, keep_last=2)
+    for step in range(1, 5):
+        ckpt.record_routing(_step(model, opt, step))
+        if step % 2 == 0:
+            ckpt.save(step, {"step": step})
+    ckpt.close()
+    assert complete_steps(url) == [2, 4]
+    obj = step_dir(open_root(url), 4) / rank_file(0)
+    data = bytearray(obj.read_bytes())
+    data[-5] ^= 0x01
+    obj.write_confirmed(bytes(data)) if store == "s3" else obj.write_bytes(bytes(data))
+    # What an earlier set-aside of the same step number left (or a crash cut short).
+    stale = open_root(url) / "step-00000004.corrupt" / "stale.txt"
+    if store == "s3":
+        stale.write_confirmed(b"older")
+    else:
+        stale.parent.mkdir()
+        stale.write_text("older")
+
+    model, opt = _build(1)
+    ckpt = Checkpointer(model, opt, url, keep_last=1)
+    assert ckpt.restore().step == 2
+    assert complete_steps(url) == [2, 4]  # the read path changes nothing
+    ckpt.record_routing(_step(model, opt, 3))
+    ckpt.save(3, {"step": 3}, final=True)
+    ckpt.close()
+    saved = (model, opt)
+
+    assert complete_steps(url) == [3]
+    aside = open_root(url) / "step-00000004.corrupt"
+    assert "checksum mismatch" in (aside / "CORRUPT.txt").read_text()
+    assert (aside / MANIFEST).is_file()  # kept for inspection, never read again
+    assert not stale.is_file()
+    report, fresh = _restored(url)
+    assert report.step == 3 and not report.skipped
+    _assert_same(saved, fresh)
+
+
 def test_inspect_on_s3_reads_the_manifests(s3_url):
     _train_and_save(s3_url, 2, policy=PECPolicy(k=1))
     info = inspect_checkpoints(s3_url)
