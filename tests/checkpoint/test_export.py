@@ -27,7 +27,7 @@ from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpoint
 from moc.checkpoint.export import StaleExpertsError
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.store.steps import MANIFEST, rank_file, step_dir
+from moc.checkpoint.store.steps import MANIFEST, complete_steps, rank_file, step_dir
 from moc.cli import main
 from moc.model import ModelConfig, Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
@@ -408,21 +408,75 @@ def test_a_model_only_checkpointer_restores_the_model_and_never_writes(tmp_path,
     assert _tree(root) == before
 
 
-@pytest.mark.integration  # the two-level engine starts its persist process
 def test_a_model_only_two_level_checkpointer_restores_from_storage(tmp_path):
     root = tmp_path / "ckpt"
     trained = _checkpoints(root, 2, k=1, final=True)
     before = _tree(root)
     model, _ = _moc_model(seed=7)
-    ckpt = moc.TwoLevelCheckpointer(model, None, root, model_meta=CFG.to_dict(),
-                                    job=f"export-test-{os.getpid()}")
+    ckpt = moc.TwoLevelCheckpointer(model, None, root, model_meta=CFG.to_dict())
     report = ckpt.restore()
     assert report.step == 2 and report.source == "storage"
+    assert report.sources == {"storage": [0]}
     _assert_state_equal(model.state_dict(), trained.state_dict())
     with pytest.raises(ValueError, match="optimizer=None"):
         ckpt.save(3, {"step": 3})
+    assert ckpt.drain_completed() == [] and not ckpt.pending
     ckpt.close()
     assert _tree(root) == before
+
+
+READ_BESIDE = """
+import sys
+import moc
+from tests.checkpoint.test_export import CFG, _moc_model
+model, _ = _moc_model(seed=7)
+ckpt = moc.TwoLevelCheckpointer(model, None, sys.argv[1], model_meta=CFG.to_dict())
+report = ckpt.restore()
+ckpt.close()
+print(report.step, report.source)
+"""
+
+
+@pytest.mark.integration  # a training job's persist process, a reader in another process
+def test_a_model_only_reader_beside_a_running_two_level_job_leaves_its_memory_alone(
+        tmp_path):
+    """The attack: an evaluation process opens the directory of a running two-level
+    job with `optimizer=None` and the default job id, which is the trainer's. It used
+    to claim the job's shared memory, start a second persist process for it and, at
+    close, delete it: the trainer's next snapshot failed and its in-memory recovery was
+    gone."""
+    from moc.checkpoint.twolevel.slots import job_dir
+    root = tmp_path / "ckpt"
+    model, opt = _moc_model()
+    ckpt = moc.TwoLevelCheckpointer(model, opt, root, policy=moc.PECPolicy(k=1),
+                                    interval=1, model_meta=CFG.to_dict())
+    try:
+        def train(steps: range) -> None:
+            for step in steps:
+                _train_step(model, opt, step)
+                ckpt.record_routing(torch.ones(CFG.n_layers, CFG.n_experts,
+                                               dtype=torch.int64))
+                ckpt.wait_for_snapshot()
+                ckpt.save(step, {"step": step})
+            ckpt.flush()
+
+        train(range(1, 4))
+        shm = job_dir(ckpt.job)
+        owner = (shm / "owner.pid").read_text()
+        held = sorted(p.name for p in shm.rglob("*"))
+        r = subprocess.run([sys.executable, "-c", READ_BESIDE, str(root)], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        # Storage only (its newest complete step), never the job's memory (step 3).
+        assert r.stdout.split() == [str(complete_steps(root)[-1]), "storage"]
+        assert (shm / "owner.pid").read_text() == owner
+        assert sorted(p.name for p in shm.rglob("*")) == held
+        train(range(4, 6))
+        assert all(res.error is None for res in ckpt.drain_completed())
+        report = ckpt.restore()  # the trainer's own memory is still its recovery source
+        assert report.step == 5 and report.source == "memory"
+    finally:
+        ckpt.close()
 
 
 # -- real parallel runs ------------------------------------------------------------------------

@@ -87,6 +87,7 @@ from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.steps import complete_steps
+from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node, restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
@@ -217,7 +218,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     (node i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a
     rank may send, None: unlimited). The checkpoint directory must then be storage
     every node sees (a shared file system or an object store).
+
+    With `optimizer=None` (model-only: restore for inference, never save) it is
+    `moc.Checkpointer`'s model-only engine, a reader of storage: node memory and the
+    persist process belong to the training job of the directory, which may be running
+    beside it under the same default `job`, so a reader claims, reads and removes none
+    of them.
     """
+
+    _reader: Checkpointer | None = None
+    """The model-only engine this one is (`optimizer=None`); None for a training engine."""
 
     def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
                  experts: ExpertSpec | None = None, groups: ParallelGroups | None = None,
@@ -232,6 +242,15 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                              f"got {persist_policy!r}")
         background_priority()  # a bad MOC_CKPT_PRIORITY fails here, not in the background
+        if optimizer is None:
+            self._reader = Checkpointer(model, None, directory, experts=experts,
+                                        groups=groups, policy=policy, interval=interval,
+                                        keep_last=keep_last, model_meta=model_meta,
+                                        mode=mode, max_failures=max_failures)
+            self.parts, self.root = self._reader.parts, self._reader.root
+            self.spec, self.interval = self._reader.spec, interval
+            self.job = job or default_job_id(directory)
+            return
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
             interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,
@@ -331,6 +350,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         torch.distributed the checkpoint's plan fails on every rank instead (raised by
         `wait_for_snapshot`), so that no rank waits for a plan another never starts.
         `final`: see `CheckpointEngine.save`; `flush`/`close` raise if it fails."""
+        if self._reader is not None:
+            self._reader.save(step, extra_state, final=final)  # refused on every rank
+            return
         t0 = time.perf_counter()
         if step in self._in_flight:
             raise ValueError(f"step {step} is already being checkpointed (its persist is "
@@ -393,6 +415,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Blocks until the snapshot being taken is complete: the only place training
         waits on a checkpoint. Raises, once, what the plan or the copy met, and an error
         of the background work shared by rank 0 (retention)."""
+        if self._reader is not None:
+            return  # a reader takes no snapshots
         handle = self._handle
         if handle is None:
             self._raise_shared_error()
@@ -453,11 +477,15 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     @property
     def pending(self) -> bool:
         """Whether a checkpoint is still being taken or persisted, or not drained yet."""
+        if self._reader is not None:
+            return False
         return bool(self._in_flight)
 
     def drain_completed(self) -> list[CheckpointResult]:
         """Checkpoints whose snapshot is taken and whose persist has finished or was
         skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
+        if self._reader is not None:
+            return self._reader.drain_completed()
         rank = self.parts.groups.rank
         if rank == 0:
             self.planner.poll()
@@ -472,6 +500,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     def flush(self) -> None:
         """Wait for the snapshot and the persist in flight (collective); their results
         are then in `drain_completed()`."""
+        if self._reader is not None:
+            return
         self.wait_for_snapshot()
         self.wait_for_replicas()  # a restore's transfers use the same process group
         self.planner.share(block=True)
@@ -480,12 +510,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     def wait_for_replicas(self) -> None:
         """Block until this rank's replica rounds in flight are over. Local (no
         collective): the snapshot thread finishes them with its peers on its own."""
+        if self._reader is not None:
+            return
         wait_all([r.replica for r in self._in_flight.values() if r.replica is not None])
 
     def host_memory(self) -> dict[str, int]:
         """Host memory this rank holds for checkpoints: its own snapshot slots and the
         peer replicas it keeps (`ckpt_host_bytes`, their sum), one snapshot's size, and
         the replicas. share (`replica_host_bytes`)."""
+        if self._reader is not None:
+            return {"ckpt_host_bytes": 0, "snapshot_bytes": 0}
         sizes = self.store.sizes()
         if self.replicas is not None:
             replica = self.replicas.sizes()
@@ -504,6 +538,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         middle of a run must not race the snapshot thread's collective, nor leave a
         persist that commits after the restore.
         """
+        if self._reader is not None:
+            report = self._reader.restore()
+            return None if report is None else dataclasses.replace(report, sources={
+                "storage": list(range(self.parts.groups.world_size))})
         p, planner = self.parts, self.planner
         self.flush()
         if p.groups.rank == 0:
@@ -558,6 +596,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         wrong on every rank: CheckpointError when the persist process was lost for good
         (the job must not look successful with its checkpoints in memory),
         CheckpointFailedError when the final checkpoint failed."""
+        if self._reader is not None:
+            self._reader.close()
+            return
         p = self.parts
         failures = []
         try:
