@@ -462,14 +462,14 @@ def test_a_model_only_reader_beside_a_running_two_level_job_leaves_its_memory_al
 
         train(range(1, 4))
         shm = job_dir(ckpt.job)
-        owner = (shm / "owner.pid").read_text()
+        owner = (shm / "owner.json").read_text()
         held = sorted(p.name for p in shm.rglob("*"))
         r = subprocess.run([sys.executable, "-c", READ_BESIDE, str(root)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         # Storage only (its newest complete step), never the job's memory (step 3).
         assert r.stdout.split() == [str(complete_steps(root)[-1]), "storage"]
-        assert (shm / "owner.pid").read_text() == owner
+        assert (shm / "owner.json").read_text() == owner
         assert sorted(p.name for p in shm.rglob("*")) == held
         train(range(4, 6))
         assert all(res.error is None for res in ckpt.drain_completed())

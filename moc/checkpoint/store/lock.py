@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.store.backend import ObjectPath, open_root
 
 log = logging.getLogger(__name__)
@@ -83,38 +84,7 @@ def _holder_info() -> dict[str, object]:
         user = str(os.getuid())
     return {"host": socket.gethostname(), "pid": os.getpid(), "user": user,
             "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": " ".join(sys.argv)[:500],
-            **_process_space(), "started": _start_time(os.getpid())}
-
-
-def _read_proc(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def _process_space() -> dict[str, str | None]:
-    """What a pid is relative to: this boot of this machine and this PID namespace.
-    None where the system does not say (no /proc): then only the host name is known."""
-    try:
-        ns: str | None = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = None
-    return {"boot_id": _read_proc("/proc/sys/kernel/random/boot_id"), "pid_ns": ns}
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22):
-    with the pid, it names one process even after the pid is reused. None when unknown."""
-    stat = _read_proc(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    try:
-        # The command name (field 2) may hold spaces and parentheses: split after its last ")".
-        return int(stat.rpartition(")")[2].split()[19])
-    except (IndexError, ValueError):
-        return None
+            "command": " ".join(sys.argv)[:500], **ProcessId.of(os.getpid()).to_json()}
 
 
 def describe_holder(path: Path | ObjectPath) -> str:
@@ -231,26 +201,16 @@ class DirectoryLock:
 
 def _stale(path: ObjectPath) -> bool:
     """Whether an object lock names a process that provably no longer runs: one of this
-    host, this boot and this PID namespace whose pid is absent or belongs to a process
-    started at another time. Anything else (another machine, container or boot, a lock
-    of an older moc that did not record these, an unreadable lock) is not ours to break."""
+    host name, this boot and this PID namespace whose pid is absent or belongs to a
+    process started at another time (`liveness.ProcessId.gone`). Anything else (another
+    machine, container or boot, a lock of an older moc that did not record these, an
+    unreadable lock) is not ours to break."""
     try:
         info = json.loads(path.read_text())
-        host, pid = info["host"], int(info["pid"])
-        space = {k: info[k] for k in ("boot_id", "pid_ns")}
-        started = info["started"]
-    except (OSError, ValueError, KeyError, TypeError):
+        host, holder = info["host"], ProcessId.from_json(info)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    if host != socket.gethostname() or space != _process_space():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # alive, another user's: the start time still says whether it is the holder
-    now = _start_time(pid)
-    return started is not None and now is not None and now != started
+    return host == socket.gethostname() and holder.gone(this_machine=False) is True
 
 
 def _release_object(root: Path | ObjectPath, token: str) -> None:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.liveness import ProcessId, boot_id, pid_namespace
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath, is_url
 from moc.checkpoint.store.format import CHECKSUM, Digest, digest, tensor_bytes
@@ -512,16 +513,55 @@ def copy_and_checksum(buf: torch.Tensor, offsets: dict[str, int],
     return crcs
 
 
+OWNER = "owner.json"
+"""In a job's directory: the process whose life its snapshots belong to
+(`liveness.ProcessId`)."""
+LEGACY_OWNER = "owner.pid"
+"""An older moc's owner record: the pid alone, taken to be of this PID namespace."""
+
+
 def claim_job(job: str) -> Path:
     """Rank 0, at the start of a job: remove the snapshot directories of dead jobs, create
     this job's (or check the one a restart finds: `secure_job_dir`) and record its owner:
     the process whose life the snapshots belong to, which under torchrun is the agent (it
-    outlives restarts of the workers)."""
+    outlives restarts of the workers).
+
+    Refuses (CheckpointError) a job directory whose owner still runs and is neither this
+    process nor its parent: another job with the same job id (`job=`), whose snapshots
+    this one would overwrite and whose persist process it would replace."""
     jdir = secure_job_dir(job)
     remove_stale_jobs(keep=job)
+    held = read_owner(jdir)
+    ours = (os.getpid(), os.getppid())
+    if held is not None and held.pid not in ours and held.gone(this_machine=True) is not True:
+        where = (" (in another PID namespace: a container sharing this /dev/shm)"
+                 if held.pid_ns != pid_namespace() else "")
+        raise CheckpointError(
+            f"the shared memory of job {job!r} ({jdir}) belongs to a running process, pid "
+            f"{held.pid}{where}, that is not this job's: two jobs "
+            "with one job id would overwrite each other's snapshots. Give this job its own "
+            "job id (the engine's job= argument) or its own MOC_SHM_ROOT; if that process "
+            f"is not a moc job, remove {jdir}")
     owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-    write_private(jdir / "owner.pid", str(owner))
+    write_private(jdir / OWNER, json.dumps(ProcessId.of(owner).to_json()))
+    (jdir / LEGACY_OWNER).unlink(missing_ok=True)
     return jdir
+
+
+def read_owner(jdir: Path) -> ProcessId | None:
+    """The owner a job directory records; None when it records none (a directory being
+    set up, or not moc's) or an unreadable one."""
+    try:
+        return ProcessId.from_json(json.loads((jdir / OWNER).read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    try:
+        pid = int((jdir / LEGACY_OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+    return ProcessId(pid, None, boot_id(), pid_namespace()) if pid > 0 else None
 
 
 def remove_job(job: str) -> None:
@@ -529,9 +569,12 @@ def remove_job(job: str) -> None:
 
 
 def remove_stale_jobs(keep: str) -> list[Path]:
-    """Delete snapshot directories of jobs whose owner process is gone (a finished or
-    abandoned job). `keep` (this job) is never touched: it may be our recovery source,
-    nor is a directory of another user or a symbolic link: not ours to judge."""
+    """Delete snapshot directories of jobs whose owner is provably gone (a finished or
+    abandoned job: `liveness.ProcessId.gone`). `keep` (this job) is never touched: it
+    may be our recovery source. Nor is a directory of another user or a symbolic link,
+    nor one whose owner runs in another PID namespace (a container sharing this
+    /dev/shm, with `--ipc=host`: its pids are not visible here, so it only looks gone):
+    not ours to judge."""
     removed = []
     for d in shm_root().glob("moc-*"):
         if d.name == f"moc-{keep}":
@@ -539,17 +582,14 @@ def remove_stale_jobs(keep: str) -> list[Path]:
         st = os.lstat(d)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
-        try:
-            pid = int((d / "owner.pid").read_text())
-            os.kill(pid, 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError):
-            # No owner file: a directory being set up right now, or not ours; only
+        owner = read_owner(d)
+        if owner is not None:
+            if owner.gone(this_machine=True) is not True:
+                continue  # running, or not ours to judge
+        elif time.time() - d.stat().st_mtime < STALE_AFTER_S:
+            # No owner record: a directory being set up right now, or not ours; only
             # remove it when it has been left alone for a while.
-            if time.time() - d.stat().st_mtime < STALE_AFTER_S:
-                continue
+            continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.liveness import ProcessId, start_time
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.lock import LOCK_FILE, DirectoryInUseError, DirectoryLock
@@ -38,6 +40,7 @@ from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.tools import format_verify, inspect_checkpoints, verify_checkpoints
 from moc.model import ModelConfig, Transformer
 from tests.distributed import free_port
+from tests.procs import UNSHARE_PIDS, can_unshare_pids, dead_pid
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::moc.checkpoint.policy.tokens.RoutingNotRecordedWarning")
@@ -378,14 +381,6 @@ def test_a_lock_object_of_another_host_is_not_broken(s3_url):
         DirectoryLock.acquire(s3_url)
 
 
-def _can_unshare_pids() -> bool:
-    try:
-        return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"],
-                              capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 TRY_LOCK = textwrap.dedent("""
     import sys
     from moc.checkpoint.store.lock import DirectoryInUseError, DirectoryLock
@@ -398,7 +393,7 @@ TRY_LOCK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not _can_unshare_pids(), reason="needs unshare(1) with user namespaces")
+@pytest.mark.skipif(not can_unshare_pids(), reason="needs unshare(1) with user namespaces")
 def test_a_job_in_another_pid_namespace_does_not_take_a_live_lock_over(s3_url):
     """The attack: a second job in a container that shares the host name (host
     networking) but not the PID namespace. The holder's pid does not exist in there, so
@@ -408,7 +403,7 @@ def test_a_job_in_another_pid_namespace_does_not_take_a_live_lock_over(s3_url):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        r = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c",
+        r = subprocess.run([*UNSHARE_PIDS, sys.executable, "-c",
                             TRY_LOCK, s3_url], env=env, capture_output=True, text=True,
                            timeout=120)
         assert r.stdout.startswith(f"refused: checkpoint directory {s3_url} is in use"), \
@@ -419,19 +414,13 @@ def test_a_job_in_another_pid_namespace_does_not_take_a_live_lock_over(s3_url):
         holder.wait()
 
 
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
 def _plant_lock(url: str, **fields) -> ObjectPath:
     """A lock object as another process wrote it: this process's identity unless
     `fields` says otherwise."""
-    from moc.checkpoint.store.lock import _holder_info
     lock = open_root(url) / LOCK_FILE
-    lock.write_confirmed(json.dumps({**_holder_info(), "token": "theirs",
-                                     **fields}).encode())
+    info = {"host": socket.gethostname(), "user": "u", "since": "then",
+            "command": "moc train", **ProcessId.of(os.getpid()).to_json(), "token": "theirs"}
+    lock.write_confirmed(json.dumps({**info, **fields}).encode())
     return lock
 
 
@@ -445,7 +434,7 @@ def _plant_lock(url: str, **fields) -> ObjectPath:
     {"boot_id": None, "pid_ns": None, "started": None},
 ], ids=["another-pid-namespace", "another-boot", "no-identity"])
 def test_a_lock_whose_holder_cannot_be_proven_gone_is_not_broken(s3_url, other):
-    lock = _plant_lock(s3_url, pid=_dead_pid(), **other)
+    lock = _plant_lock(s3_url, pid=dead_pid(), **other)
     with pytest.raises(DirectoryInUseError, match=f"delete {lock}"):
         DirectoryLock.acquire(s3_url)
     assert json.loads(lock.read_text())["token"] == "theirs"
@@ -455,8 +444,7 @@ def test_a_lock_whose_pid_now_names_another_process_is_taken_over(s3_url):
     """The pid was reused: a live process, but one started after the lock was written."""
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        from moc.checkpoint.store.lock import _start_time
-        started = _start_time(other.pid)
+        started = start_time(other.pid)
         assert started is not None
         lock = _plant_lock(s3_url, pid=other.pid, started=started - 1)
         DirectoryLock.acquire(s3_url).release()

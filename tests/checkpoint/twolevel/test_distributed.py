@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import default_job_id, job_dir
+from moc.checkpoint.twolevel.slots import OWNER, default_job_id, job_dir
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
 
@@ -96,7 +98,8 @@ def test_memory_storage_and_mixed_recovery_account_the_same_fault_alike(tmp_path
         shutil.copytree(root, tmp_path / name)
         memory = job_dir(f"three-{name}")
         shutil.copytree(job_dir(default_job_id(root)), memory)
-        (memory / "owner.pid").write_text(str(os.getpid()))  # alive: not a stale job
+        # Alive (the ranks' parent): not a stale job.
+        (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
         if wipe is not None:
             shutil.rmtree(memory / wipe)
     for res in run_ranks(_restore_each, 2, str(tmp_path)):

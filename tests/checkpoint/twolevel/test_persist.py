@@ -24,7 +24,7 @@ from moc.checkpoint.twolevel.persist import (
     socket_path,
 )
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Failed, Persist, Ready
-from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir
+from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, read_owner
 from tests.fs import fill, tmpfs
 
 JOB = "persist-test"
@@ -111,7 +111,7 @@ def test_the_process_stops_when_asked_and_leaves_the_job_dir_to_its_owner(tmp_pa
     client = PersistClient(JOB, tmp_path / "ckpt", 0)
     client.stop()
     assert client.process.returncode == 0
-    assert (job_dir(JOB) / "owner.pid").read_text() == str(os.getpid())
+    assert read_owner(job_dir(JOB)).pid == os.getpid()
 
 
 # -- who may talk to the persist process (docs/THREAT_MODEL.md) ------------------------

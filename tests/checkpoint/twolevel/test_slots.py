@@ -7,15 +7,25 @@ import os
 import platform
 import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 import xxhash
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.twolevel import slots
-from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, remove_stale_jobs
+from moc.checkpoint.twolevel.slots import (
+    OWNER,
+    SnapshotStore,
+    claim_job,
+    job_dir,
+    remove_stale_jobs,
+)
+from tests.procs import UNSHARE_PIDS, can_unshare_pids, dead_pid
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -90,6 +100,87 @@ def test_stale_jobs_of_dead_owners_are_removed_but_not_ours_or_live_ones():
     assert job_dir("alive").exists() and job_dir("ours").exists()
 
 
+def _own(job: str, **fields) -> None:
+    """Plant an owner record, as another process would have written it."""
+    job_dir(job).mkdir(parents=True)
+    (job_dir(job) / OWNER).write_text(json.dumps(
+        {**ProcessId.of(os.getpid()).to_json(), **fields}))
+
+
+def test_an_owner_is_gone_only_when_that_can_be_proven():
+    dead, me = dead_pid(), ProcessId.of(os.getpid())
+    _own("dead", pid=dead)
+    _own("reused", started=me.started - 1)  # this pid, but another process started it
+    _own("rebooted", pid=dead, boot_id="00000000-0000-0000-0000-000000000000")
+    _own("alive")
+    _own("container", pid=dead, pid_ns="pid:[1]")  # its pids are not visible here
+    _own("older-moc", pid=dead, boot_id=None, pid_ns=None, started=None)
+    removed = remove_stale_jobs(keep="ours")
+    assert sorted(p.name for p in removed) == ["moc-dead", "moc-rebooted", "moc-reused"]
+    assert {p.name for p in job_dir("x").parent.iterdir()} == {
+        "moc-alive", "moc-container", "moc-older-moc"}
+
+
+HOLD_JOB = """
+import sys, time
+from moc.checkpoint.twolevel.slots import claim_job
+claim_job(sys.argv[1])
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+CLAIM = """
+import sys
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.slots import claim_job, remove_stale_jobs
+print("removed", [p.name for p in remove_stale_jobs(keep=sys.argv[1])])
+try:
+    claim_job(sys.argv[1])
+except CheckpointError as e:
+    print("refused:", e)
+else:
+    print("claimed")
+"""
+
+
+def _claim(job: str, *prefix: str) -> list[str]:
+    r = subprocess.run([*prefix, sys.executable, "-c", CLAIM, job], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("where", [
+    "this-namespace",
+    pytest.param("another-pid-namespace", marks=pytest.mark.skipif(
+        not can_unshare_pids(), reason="needs unshare(1) with user namespaces")),
+])
+def test_a_live_jobs_memory_is_neither_removed_nor_claimed_by_another_job(where):
+    """The attacks: a second job given the same job id, and a job in a container that
+    shares /dev/shm (`--ipc=host`) but not the PID namespace, where the live owner's pid
+    does not exist. Before, the first overwrote the owner and shared the slots; the
+    second removed the live job's directory as stale at its start."""
+    prefix = UNSHARE_PIDS if where != "this-namespace" else ()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_JOB, "live"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        owner = (job_dir("live") / OWNER).read_text()
+        out = _claim("live", *prefix)
+        assert out[0] == "removed []"
+        assert out[1].startswith("refused: the shared memory of job 'live'")
+        assert f"pid {holder.pid}" in out[1] or where != "this-namespace"
+        assert ("another PID namespace" in out[1]) == (where != "this-namespace")
+        assert (job_dir("live") / OWNER).read_text() == owner
+        assert _claim("other", *prefix) == ["removed []", "claimed"]
+        assert job_dir("live").is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    if where == "this-namespace":  # its owner gone: a restart of that job claims it
+        assert _claim("live") == ["removed ['moc-other']", "claimed"]
+
+
 def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
     def no_space(fd, offset, length):
         raise OSError(28, "No space left on device")
@@ -108,7 +199,7 @@ def test_a_new_job_directory_and_its_files_are_this_users_alone():
     jdir = job_dir("mine")
     assert stat.S_IMODE(jdir.stat().st_mode) == 0o700
     assert stat.S_IMODE((jdir / "rank-00000").stat().st_mode) == 0o700
-    for f in ("owner.pid", "rank-00000/slot-0.bin", "rank-00000/slot-0.json"):
+    for f in (OWNER, "rank-00000/slot-0.bin", "rank-00000/slot-0.json"):
         assert stat.S_IMODE((jdir / f).stat().st_mode) == 0o600, f
 
 
