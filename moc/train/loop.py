@@ -71,6 +71,12 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
     # Logged by rank 0 (the only metrics writer) whichever rank the fault kills.
     if cfg.fault_node is not None:
         metrics.emit("fault", step=step, node=cfg.fault_node, kind=cfg.fault_kind)
+        # Between checkpoints, as in a real run, whose interval outlasts a persist: the
+        # checkpoint in flight is finished first (collective: every rank meets the fault
+        # at this step). On a loaded test machine a persist can outlast two steps, and
+        # what storage holds would then depend on the load.
+        if checkpointer is not None:
+            checkpointer.flush()
         if node_rank() == cfg.fault_node:
             lose_node(cfg, metrics, checkpointer)
         return
