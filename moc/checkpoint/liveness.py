@@ -11,8 +11,9 @@ over, or removed, when its process is gone. A pid alone cannot prove that:
 
 So a record names its process by pid, start time (clock ticks since boot, from
 /proc/PID/stat), the kernel's boot_id and the PID namespace. `ProcessId.gone` answers
-True (provably gone), False (running) or None (cannot tell from here: another
-namespace, another machine): the callers treat None as running.
+True (provably gone: absent, reused, or exited and not yet reaped), False (running) or
+None (cannot tell from here: another namespace, another machine): the callers treat
+None as running.
 """
 
 from __future__ import annotations
@@ -43,17 +44,28 @@ def pid_namespace() -> str | None:
         return None
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (the state) on; None when unreadable."""
+    stat = _read(f"/proc/{pid}/stat")
+    # The command name (field 2) may hold spaces and ")": split after its last ")".
+    return None if stat is None else stat.rpartition(")")[2].split()
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat, field 22):
     with the pid, it names one process even after the pid is reused. None when unknown."""
-    stat = _read(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
+    fields = _stat_fields(pid)
     try:
-        # The command name (field 2) may hold spaces and ")": split after its last ")".
-        return int(stat.rpartition(")")[2].split()[19])
+        return int(fields[19]) if fields is not None else None
     except (IndexError, ValueError):
         return None
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether the process has exited and waits only to be reaped by its parent (state
+    Z): it runs no code, holds no lock and writes nothing any more."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] in ("Z", "X")
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,8 @@ class ProcessId:
             return True
         except PermissionError:
             pass  # another user's live process: the start time says whether it is ours
+        if is_zombie(self.pid):
+            return True  # exited, not yet reaped
         # The pid runs: another process if it started at another time (the pid reused).
         now = start_time(self.pid)
         return self.started is not None and now is not None and now != self.started

@@ -9,11 +9,13 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import xxhash
 
+from moc.checkpoint import liveness
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.phases import Phases
@@ -119,6 +121,24 @@ def test_an_owner_is_gone_only_when_that_can_be_proven():
     assert sorted(p.name for p in removed) == ["moc-dead", "moc-rebooted", "moc-reused"]
     assert {p.name for p in job_dir("x").parent.iterdir()} == {
         "moc-alive", "moc-container", "moc-older-moc"}
+
+
+def test_an_owner_that_exited_unreaped_is_gone():
+    """A zombie (exited, its parent has not waited for it yet) keeps its pid and start
+    time but runs nothing: its record is stale."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        record = ProcessId.of(child.pid)
+        for _ in range(200):
+            if liveness.is_zombie(child.pid):
+                break
+            time.sleep(0.05)
+        assert liveness.is_zombie(child.pid)
+        assert record.gone(this_machine=True) is True
+    finally:
+        child.wait()
+    assert record.gone(this_machine=True) is True  # reaped: the pid is absent
+    assert ProcessId.of(os.getpid()).gone(this_machine=True) is False
 
 
 HOLD_JOB = """
