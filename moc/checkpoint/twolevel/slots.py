@@ -532,8 +532,9 @@ def claim_job(job: str) -> Path:
     jdir = secure_job_dir(job)
     remove_stale_jobs(keep=job)
     held = read_owner(jdir)
-    ours = (os.getpid(), os.getppid())
-    if held is not None and held.pid not in ours and held.gone(this_machine=True) is not True:
+    ours = held is not None and held.pid in (os.getpid(), os.getppid()) and (
+        held.pid_ns == pid_namespace())  # the same number in another namespace is not us
+    if held is not None and not ours and held.gone(this_machine=True) is not True:
         where = (" (in another PID namespace: a container sharing this /dev/shm)"
                  if held.pid_ns != pid_namespace() else "")
         raise CheckpointError(

@@ -269,14 +269,9 @@ def test_verify_on_s3_detects_a_flipped_byte(s3_url):
     assert report.step == 1
 
 
-@pytest.mark.parametrize("store", ["s3", "local"])
-def test_a_corrupt_step_is_set_aside_so_retention_keeps_the_step_resumed_from(
-        s3_url, tmp_path, store):
-    """The attack: the newest step is corrupt, a run continues from the one before and
-    commits a step below it with keep_last=1. Left in place, the corrupt step counted
-    as the newest and retention deleted the only intact one (on an object store, which
-    could not set it aside, until 2026-12-03)."""
-    url = s3_url if store == "s3" else str(tmp_path / "ckpt")
+def _steps_2_and_4_with_4_corrupt(url: str) -> None:
+    """Checkpoints of steps 2 and 4 (keep_last=2), then a flipped byte in step 4's data:
+    the newest step is corrupt, the one before it intact."""
     model, opt = _build(0)
     ckpt = Checkpointer(model, opt, url, keep_last=2)
     for step in range(1, 5):
@@ -288,7 +283,19 @@ def test_a_corrupt_step_is_set_aside_so_retention_keeps_the_step_resumed_from(
     obj = step_dir(open_root(url), 4) / rank_file(0)
     data = bytearray(obj.read_bytes())
     data[-5] ^= 0x01
-    obj.write_confirmed(bytes(data)) if store == "s3" else obj.write_bytes(bytes(data))
+    obj.write_confirmed(bytes(data)) if isinstance(obj, ObjectPath) else obj.write_bytes(
+        bytes(data))
+
+
+@pytest.mark.parametrize("store", ["s3", "local"])
+def test_a_corrupt_step_is_set_aside_so_retention_keeps_the_step_resumed_from(
+        s3_url, tmp_path, store):
+    """The attack: the newest step is corrupt, a run continues from the one before and
+    commits a step below it with keep_last=1. Left in place, the corrupt step counted
+    as the newest and retention deleted the only intact one (on an object store, which
+    could not set it aside, until 2026-12-03)."""
+    url = s3_url if store == "s3" else str(tmp_path / "ckpt")
+    _steps_2_and_4_with_4_corrupt(url)
     # What an earlier set-aside of the same step number left (or a crash cut short).
     stale = open_root(url) / "step-00000004.corrupt" / "stale.txt"
     if store == "s3":
@@ -314,6 +321,48 @@ def test_a_corrupt_step_is_set_aside_so_retention_keeps_the_step_resumed_from(
     report, fresh = _restored(url)
     assert report.step == 3 and not report.skipped
     _assert_same(saved, fresh)
+
+
+SET_ASIDE_THEN_DIE = textwrap.dedent("""
+    import os, signal, sys
+    from moc.checkpoint.store import backend
+    from moc.checkpoint.store.steps import set_aside
+    real_unlink = backend.ObjectPath.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.key.endswith("step-00000004/manifest.json"):
+            os.kill(os.getpid(), signal.SIGKILL)  # every object copied, the manifest kept
+        real_unlink(self, missing_ok)
+
+    backend.ObjectPath.unlink = unlink
+    set_aside(backend.open_root(sys.argv[1]), 4, "checksum mismatch (test)")
+""")
+
+
+def test_a_set_aside_killed_before_the_manifest_goes_is_done_again_by_the_next_job(
+        s3_url):
+    """SIGKILL at the set-aside's worst moment: `step-4.corrupt/` holds a full copy and
+    `step-4` still its manifest. The step is still complete and still corrupt, so the
+    next job skips it again and sets it aside, and the intact step survives retention."""
+    _steps_2_and_4_with_4_corrupt(s3_url)
+    r = subprocess.run([sys.executable, "-c", SET_ASIDE_THEN_DIE, s3_url], timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert complete_steps(s3_url) == [2, 4]
+    assert (open_root(s3_url) / "step-00000004.corrupt" / MANIFEST).is_file()
+
+    model, opt = _build(1)
+    ckpt = Checkpointer(model, opt, s3_url, keep_last=1)
+    assert ckpt.restore().step == 2
+    ckpt.record_routing(_step(model, opt, 3))
+    ckpt.save(3, {"step": 3}, final=True)
+    ckpt.close()
+    assert complete_steps(s3_url) == [3]
+    aside = open_root(s3_url) / "step-00000004.corrupt"
+    assert "checksum mismatch for key" in (aside / "CORRUPT.txt").read_text()
+    report, fresh = _restored(s3_url)
+    assert report.step == 3 and not report.skipped
+    _assert_same((model, opt), fresh)
 
 
 def test_inspect_on_s3_reads_the_manifests(s3_url):

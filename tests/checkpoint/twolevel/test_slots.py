@@ -123,6 +123,16 @@ def test_an_owner_is_gone_only_when_that_can_be_proven():
         "moc-alive", "moc-container", "moc-older-moc"}
 
 
+def test_our_pid_in_another_namespace_is_not_our_job():
+    """A container's owner record can carry this process's pid number: it is still
+    another process's job."""
+    _own("theirs", pid=os.getpid(), pid_ns="pid:[1]")
+    with pytest.raises(CheckpointError, match="another PID namespace"):
+        claim_job("theirs")
+    _own("ours")  # the same pid in this namespace: this process, a second engine
+    claim_job("ours")
+
+
 def test_an_owner_that_exited_unreaped_is_gone():
     """A zombie (exited, its parent has not waited for it yet) keeps its pid and start
     time but runs nothing: its record is stale."""
