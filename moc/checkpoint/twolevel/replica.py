@@ -12,21 +12,27 @@ One replication round (`exchange_replicas`), run by every rank of a dedicated gl
 for the same step, on the snapshot thread after the copy:
 
     prefix   int64[6]: magic, version, frame length, frame CRC32C, stream bytes, chunk bytes
-    frame    JSON: src, step (null: a marker, no snapshot follows), error, meta, and the
-             entries [key, dtype, shape, digest (XXH3)] in stream order
+    frame    JSON: src, step (null: a marker, no snapshot follows), error, meta, pace_s
+             (seconds per chunk the sender's rate limit may sleep: the receiver's waits
+             allow for them), and the entries [key, dtype, shape, digest (XXH3)] in
+             stream order
     stream   the entries' bytes, each 8-byte aligned (the receiver's compact slot layout),
              cut into chunks of `chunk bytes`
 
 The prefix alone says how many bytes follow, so a receiver that cannot use a frame (bad
-JSON, no room in shared memory) still drains the stream and its sender never hangs; a
-rank with no snapshot sends a marker for the same reason. Sends and receives of a step
-are posted before either is waited for, so a ring of ranks (each sending to the next)
-cannot deadlock, and dst == src (a pair) works alike. The stream lands straight in the
-receiving slot's shared-memory mapping; the header is written (atomically) only after
-every entry's digest matched the sender's, so a replica exists exactly when it is
-complete and verified. Of the two slots one always holds the newest complete replica
-and is never written: a transfer cut short (a dead sender, a digest mismatch, SIGKILL)
-costs the replica being received, never the one before it.
+JSON, no room in shared memory, any error of its own) still drains the stream and its
+sender never hangs; a rank with no snapshot sends a marker for the same reason, and a
+sender whose snapshot cannot be read mid-stream sends zeros for the rest (the receiver's
+digests refuse them). What the data cannot cause, the channel can (a peer gone, stopped
+or wedged): every wait is bounded (TIMEOUT_S), and a channel that failed or timed out is
+broken for good on that rank (`ReplicaChannel`, `ReplicaChannelBroken`). Sends and
+receives of a step are posted before either is waited for, so a ring of ranks (each
+sending to the next) cannot deadlock, and dst == src (a pair) works alike. The stream
+lands straight in the receiving slot's shared-memory mapping; the header is written
+(atomically) only after every entry's digest matched the sender's, so a replica exists
+exactly when it is complete and verified. Of the two slots one always holds the newest
+complete replica and is never written: a transfer cut short (a dead sender, a digest
+mismatch, SIGKILL) costs the replica being received, never the one before it.
 
 Recovery moves a replica back to the rank that lost its node: `send_replica` (the
 holder verifies its copy first) and `receive_replica` (into ordinary CPU memory), with
@@ -38,10 +44,15 @@ Ranks are global ranks (torch.distributed's `dst=`/`src=`, whatever `group` is).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import math
+import threading
 import time
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,6 +78,15 @@ by twice its size (a third slot would buy nothing: replicas are not persisted fr
 CHUNK_BYTES = 64 << 20
 """Bytes per message: large enough that per-message latency is noise, small enough that
 a rate limit is smooth and a sender's staging buffer stays small."""
+TIMEOUT_S = 120.0
+"""The longest one wait of a replica round may last beyond what a rate limit implies
+(gloo's sends and receives otherwise wait forever: a peer stopped or wedged would hang
+this rank's snapshot thread, and with it every later checkpoint). It must cover the
+peer reaching the same round (ranks start theirs after copies of different lengths:
+tens of GB at a few GB/s), reserving the receiving slot (an fallocate of that size),
+and one chunk on a slow or shared link (64 MiB at 1 Gbit/s: half a second), on a loaded
+host; two minutes is far above all of them and still a bounded stall. A rate limit adds
+twice the larger of the two sides' seconds per chunk (`ReplicaChannel.post`)."""
 _MAGIC = 0x6D6F632D7265706C  # b"moc-repl"
 _VERSION = 3  # 3: XXH3 digests of the entries (2: CRC32C, 1: zlib CRC32)
 _TAG = 14
@@ -90,6 +110,125 @@ class ReplicaReport:
     """What went wrong on this rank's side: a snapshot it could not send, a received
     replica refused (checksum mismatch, bad frame, no room). None when all went well or
     the source merely had nothing to send."""
+
+
+class ReplicaChannelBroken(CheckpointError):
+    """This rank's replica channel is broken: a transfer failed in transport (a peer
+    gone, a read or write error of gloo's), a peer did not answer within the bound, or
+    a round was cut short on this rank. The two sides of its process group no longer
+    agree on what comes next, so this rank never uses it again: every later round,
+    send or receive on it raises this at once. `reason` says what broke it first."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the replica channel is broken ({reason}); no replica is sent or "
+                         "received over it again in this process (a restart of the job "
+                         "makes a new one)")
+        self.reason = reason
+
+
+class ReplicaChannel:
+    """One rank's replica process group, and whether it can still be used: the owner of
+    its `broken` state. Every send and receive of replicas goes through `post`, whose
+    waits are bounded (`timeout_s`); a transport error, a timeout or a round cut short
+    on this rank breaks the channel for good (`ReplicaChannelBroken`).
+
+    Design note: gloo keeps a receive that timed out posted, and may still complete it
+    (or a send) later, into the tensor it was given; those tensors (a replica slot's
+    mapping, a staging buffer) are kept alive here (`_abandoned`) so that a late write
+    never lands in freed memory. A broken channel is never mended in-process: which
+    message a peer sends next is no longer known."""
+
+    def __init__(self, group: Any, *, timeout_s: float = TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        self._group: Callable[[], Any] = lambda: group
+        self.timeout_s = timeout_s
+        self.broken: str | None = None
+        """Why the channel broke (the first reason), or None while it is usable."""
+        self._abandoned: list[Any] = []
+
+    @classmethod
+    def of(cls, group: Any) -> ReplicaChannel:
+        """The channel of `group` (made once, then the same object; None: the default
+        group): callers that hold the process group alone still never reuse one that
+        broke."""
+        if isinstance(group, ReplicaChannel):
+            return group
+        group = dist.group.WORLD if group is None else group
+        with _CHANNELS_LOCK:  # the snapshot thread's rounds, the caller's restores
+            channel = _CHANNELS.get(group)
+            if channel is None:
+                channel = _CHANNELS[group] = cls(group)
+                # Held weakly, or the registry's value would keep its own key alive.
+                channel._group = weakref.ref(group)
+        return channel
+
+    @property
+    def group(self) -> Any:
+        group = self._group()
+        if group is None:
+            raise self.mark_broken("its process group was destroyed")
+        return group
+
+    def check(self) -> None:
+        """Raise ReplicaChannelBroken when the channel is broken."""
+        if self.broken is not None:
+            raise ReplicaChannelBroken(self.broken)
+
+    def mark_broken(self, reason: str) -> ReplicaChannelBroken:
+        """Break the channel (the first reason is kept) and return the error to raise.
+        For callers that learn another rank's channel broke: stop using this one too."""
+        if self.broken is None:
+            self.broken = reason
+        return ReplicaChannelBroken(self.broken)
+
+    @contextlib.contextmanager
+    def round(self, what: str) -> Iterator[None]:
+        """One exchange over the channel: refused at once when it is broken, and broken
+        when anything escapes it (the peer's side of the round is left waiting, so the
+        next message is no longer known): raised as ReplicaChannelBroken."""
+        self.check()
+        try:
+            yield
+        except ReplicaChannelBroken:
+            raise
+        except Exception as e:
+            raise self.mark_broken(f"{what}: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self.mark_broken(f"{what}: interrupted")
+            raise
+
+    def post(self, dst: int | None, src: int | None, send: torch.Tensor | None,
+             recv: torch.Tensor | None, pace_s: float = 0.0) -> None:
+        """Post a send to `dst` and a receive from `src`, then wait for both (blocks until
+        both are done, at most `timeout_s` plus twice `pace_s`, the seconds per chunk a
+        rate limit may add, for each). Posting both before waiting is what keeps a ring
+        from deadlocking. Raises ReplicaChannelBroken, the channel broken, on a
+        transport error or a timeout."""
+        self.check()
+        works, held = [], []
+        bound = timedelta(seconds=self.timeout_s + 2 * pace_s)
+        try:
+            if send is not None and send.numel():
+                works.append(dist.isend(send, dst, group=self.group, tag=_TAG))
+                held.append(send)
+            if recv is not None and recv.numel():
+                works.append(dist.irecv(recv, src, group=self.group, tag=_TAG))
+                held.append(recv)
+            if any(w is None for w in works):
+                raise CheckpointError("this rank is not in the replica group")
+            for w in works:
+                w.wait(timeout=bound)
+        except Exception as e:
+            self._abandoned.append((works, held))  # gloo may still use them: keep them
+            raise self.mark_broken(
+                f"transfer to rank {dst} / from rank {src} failed or had no answer within "
+                f"{bound.total_seconds():.0f} s: {e}") from e
+
+
+_CHANNELS: weakref.WeakKeyDictionary[Any, ReplicaChannel] = weakref.WeakKeyDictionary()
+"""`ReplicaChannel.of`'s channels by process group (gone with their group)."""
+_CHANNELS_LOCK = threading.Lock()
 
 
 class ReplicaStore(SnapshotStore):
@@ -197,6 +336,8 @@ class _Outgoing:
                  size: int, chunk: int) -> None:
         data = json.dumps(frame).encode()
         self.step: int | None = frame["step"]
+        self.error: str | None = None
+        """Why the stream went out cut short (zeros from the failing chunk on)."""
         self.frame = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else (
             torch.empty(0, dtype=torch.uint8))
         self.prefix = torch.tensor([_MAGIC, _VERSION, len(data), digest(data, CRC32C), size, chunk],
@@ -213,7 +354,9 @@ class _Outgoing:
 
     @classmethod
     def of(cls, src: int, header: SnapshotHeader, views: dict[str, torch.Tensor],
-           keys: list[str], chunk: int) -> _Outgoing:
+           keys: list[str], chunk: int, pace_s: float = 0.0) -> _Outgoing:
+        """`pace_s`: the seconds per chunk this rank's rate limit may sleep, told to the
+        receiver so that its waits allow for them."""
         missing = [k for k in keys if k not in header.entries or k not in views]
         if missing:
             raise CheckpointError(f"replica of step {header.step}: keys {missing[:5]} are not "
@@ -230,13 +373,32 @@ class _Outgoing:
             if raw.numel():
                 pieces.append((off, raw))
         frame = {"src": src, "step": header.step, "error": None, "meta": header.meta,
-                 "entries": [[k, d, list(s), c] for k, d, s, c in entries]}
+                 "pace_s": pace_s, "entries": [[k, d, list(s), c] for k, d, s, c in entries]}
         return cls(frame, pieces, size, chunk)
 
     def n_chunks(self) -> int:
         return -(-self.size // self.chunk)
 
     def chunk_tensor(self, i: int) -> torch.Tensor:
+        """The stream's chunk `i`. One that cannot be produced (the snapshot's bytes
+        cannot be read) and every later one go as zeros, `error` saying why: the
+        receiver still gets every byte it was announced, so neither side hangs, and its
+        digest check refuses the replica."""
+        if self.error is None:
+            try:
+                return self._chunk(i)
+            except Exception as e:
+                self.error = (f"the replica of step {self.step} was cut short at byte "
+                              f"{i * self.chunk} of {self.size} ({type(e).__name__}: {e}); "
+                              "the rest went as zeros, so the receiver refuses it")
+        n = min((i + 1) * self.chunk, self.size) - i * self.chunk
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.zeros(n, dtype=torch.uint8)
+        out = self._staging[:n]
+        out.zero_()
+        return out
+
+    def _chunk(self, i: int) -> torch.Tensor:
         a, b = i * self.chunk, min((i + 1) * self.chunk, self.size)
         j = max(0, bisect.bisect_right(self._starts, a) - 1)
         off, raw = self.pieces[j] if self.pieces else (0, torch.empty(0, dtype=torch.uint8))
@@ -268,6 +430,8 @@ class _Incoming:
     entries: list[tuple[str, str, tuple[int, ...], int]] | None = None
     offsets: list[int] | None = None
     problem: str | None = None
+    pace_s: float = 0.0
+    """The sender's seconds per chunk of rate limiting (its frame says)."""
 
     @classmethod
     def parse(cls, src: int, prefix: torch.Tensor, frame: torch.Tensor) -> _Incoming:
@@ -281,6 +445,11 @@ class _Incoming:
             if d["src"] != src:
                 raise ValueError(f"it comes from rank {d['src']}")
             out.reason = d.get("error")
+            pace = d.get("pace_s", 0.0)
+            if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not (
+                    0 <= pace < math.inf):
+                raise ValueError(f"bad pace_s {pace!r}")
+            out.pace_s = float(pace)
             if d["step"] is None:
                 if size:
                     raise ValueError("a marker announces bytes")
@@ -298,7 +467,7 @@ class _Incoming:
             out.offsets, total = _compact(entries)
             if total != size:
                 raise ValueError(f"its entries hold {total} bytes, the prefix announces {size}")
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # whatever the bytes are: refused, and the stream drained
             out.problem = f"bad replica frame from rank {src}: {e}"
             out.step = None
         return out
@@ -320,21 +489,6 @@ class _Incoming:
         return None
 
 
-def _post(group: dist.ProcessGroup, dst: int | None, src: int | None, send: torch.Tensor | None,
-          recv: torch.Tensor | None) -> None:
-    """Post a send to `dst` and a receive from `src`, then wait for both (blocks until
-    both are done). Posting both before waiting is what keeps a ring from deadlocking."""
-    works = []
-    if send is not None and send.numel():
-        works.append(dist.isend(send, dst, group=group, tag=_TAG))
-    if recv is not None and recv.numel():
-        works.append(dist.irecv(recv, src, group=group, tag=_TAG))
-    if any(w is None for w in works):
-        raise CheckpointError("replica transfer: this rank is not in the replica group")
-    for w in works:
-        w.wait()
-
-
 def _check_prefix(src: int, prefix: torch.Tensor) -> None:
     magic, version, length, _, size, chunk = (int(x) for x in prefix)
     if magic != _MAGIC or version != _VERSION or length < 0 or size < 0 or (
@@ -345,33 +499,47 @@ def _check_prefix(src: int, prefix: torch.Tensor) -> None:
             "or the peers run different moc versions: give replicas a group of their own")
 
 
-def _transfer(group: dist.ProcessGroup, dst: int | None, src: int | None, out: _Outgoing | None,
-              sink: Any, rate_Bps: float | None) -> tuple[_Incoming | None, int, int]:
+def _transfer(channel: ReplicaChannel, dst: int | None, src: int | None,
+              out: _Outgoing | None, sink: Any, rate_Bps: float | None
+              ) -> tuple[_Incoming | None, int, int]:
     """Send `out` to `dst` and receive one replica from `src` (either may be None),
     concurrently. `sink(incoming)` is called once the frame is in and returns
     (buffer, problem): where the stream goes (None: drain it). Returns the incoming
-    replica, the bytes sent and the bytes received."""
+    replica, the bytes sent and the bytes received.
+
+    Whatever goes wrong with the data, both sides go through the whole announced stream
+    (a sink that fails drains it, a chunk that cannot be read goes as zeros), so the
+    round ends on both at the same message; only the channel itself (a transport error,
+    a timeout) ends it early, and breaks it (the caller's `ReplicaChannel.round`)."""
     prefix = torch.zeros(_PREFIX, dtype=torch.int64) if src is not None else None
-    _post(group, dst, src, out.prefix if out else None, prefix)
+    channel.post(dst, src, out.prefix if out else None, prefix)
     frame = None
     if prefix is not None:
         _check_prefix(src, prefix)
         frame = torch.empty(int(prefix[2]), dtype=torch.uint8)
-    _post(group, dst, src, out.frame if out else None, frame)
+    channel.post(dst, src, out.frame if out else None, frame)
     incoming, buf = None, None
     if prefix is not None:
         assert frame is not None and src is not None
         incoming = _Incoming.parse(src, prefix, frame)
         if incoming.problem is None and incoming.step is not None:
-            buf, incoming.problem = sink(incoming)
+            try:
+                buf, incoming.problem = sink(incoming)
+            except Exception as e:  # no room, no mapping: drained, never a hang
+                buf, incoming.problem = None, (
+                    f"the replica of step {incoming.step} from rank {src} could not be "
+                    f"received: {type(e).__name__}: {e}")
     n_send = out.n_chunks() if out else 0
     n_recv = -(-incoming.size // incoming.chunk) if incoming and incoming.size else 0
+    pace = max(out.chunk / rate_Bps if out and rate_Bps else 0.0,
+               incoming.pace_s if incoming else 0.0)
     scratch = None
     t0, sent = time.monotonic(), 0
     for i in range(max(n_send, n_recv)):
-        send = out.chunk_tensor(i) if i < n_send else None
+        send = out.chunk_tensor(i) if out is not None and i < n_send else None
         recv = None
         if i < n_recv:
+            assert incoming is not None
             a, b = i * incoming.chunk, min((i + 1) * incoming.chunk, incoming.size)
             if buf is not None:
                 recv = buf[a:b]  # straight into the slot's shared memory
@@ -379,7 +547,7 @@ def _transfer(group: dist.ProcessGroup, dst: int | None, src: int | None, out: _
                 if scratch is None:
                     scratch = torch.empty(min(incoming.chunk, incoming.size), dtype=torch.uint8)
                 recv = scratch[:b - a]
-        _post(group, dst, src, send, recv)
+        channel.post(dst, src, send, recv, pace)
         if send is not None:
             sent += send.numel()
             if rate_Bps:  # keep the average since the first chunk under the rate
@@ -409,35 +577,42 @@ def _check_chunk(chunk_bytes: int, rate_Bps: float | None) -> None:
                          f"got {rate_Bps!r}")
 
 
-def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
+def exchange_replicas(channel: ReplicaChannel | dist.ProcessGroup, dst: int, src: int,
                       outgoing: tuple[SnapshotHeader, dict[str, torch.Tensor], list[str]] | None,
                       store: ReplicaStore, *, rate_Bps: float | None = None,
                       chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
     """One rank's side of one replication round: send `outgoing` to rank `dst`, receive
-    rank `src`'s replica into `store`. Every rank of `group` calls it for the same step
-    (a ring, or a pair with dst == src). Blocks until both transfers are done.
+    rank `src`'s replica into `store`. Every rank of the channel's group calls it for the
+    same step (a ring, or a pair with dst == src). Blocks until both transfers are done,
+    each wait bounded (`ReplicaChannel.post`).
 
     `outgoing`: (the snapshot's header, its slot's tensors as `SnapshotStore.read(...,
     verify=False)` gives them, the keys to send: `replica_keys`), or None when this
     rank has no snapshot to send: a marker goes instead, so `dst` never waits for bytes
-    that will not come. The frame carries the snapshot's own CRC32s, so a byte that
+    that will not come. The frame carries the snapshot's own digests, so a byte that
     changed in the sender's slot after its header was written is caught by the receiver.
 
     A received replica is published only when complete with every digest matched; a
     refused one is reported (`error`) and the newest complete replica stays as it was.
-    Raises CheckpointError when the group itself fails (a peer gone): the slot being
-    received is then left without a header, and the group must not be used again.
+    Whatever fails on either side with the data (a slot that cannot be reserved, a
+    snapshot that cannot be read: zeros go instead), the round still ends on both sides
+    and is reported. Raises ReplicaChannelBroken (a CheckpointError) when the channel
+    itself fails (a peer gone or silent past the bound) or was broken before: the slot
+    being received is then left without a header, and no later round uses the channel.
+    `channel`: a ReplicaChannel, or the process group (its `ReplicaChannel.of`).
     `rate_Bps`: an average rate this rank's sends stay under (sleeping between chunks).
     """
     _check_chunk(chunk_bytes, rate_Bps)
     me = _check_peers(dst, src)
+    channel = ReplicaChannel.of(channel)
     t0 = time.perf_counter()
     errors = []
     if outgoing is None:
         out = _Outgoing.marker(me, None, chunk_bytes)
     else:
         try:
-            out = _Outgoing.of(me, *outgoing, chunk_bytes)
+            out = _Outgoing.of(me, *outgoing, chunk_bytes,
+                               pace_s=chunk_bytes / rate_Bps if rate_Bps else 0.0)
         except Exception as e:  # whatever it is, dst must get a marker, not a hang
             errors.append(f"sent no replica: {e}")
             out = _Outgoing.marker(me, str(e), chunk_bytes)
@@ -450,75 +625,102 @@ def exchange_replicas(group: dist.ProcessGroup, dst: int, src: int,
             return None, f"no room for the replica of step {incoming.step}: {e}"
         return target[0][1], None
 
-    try:
-        incoming, sent, received = _transfer(group, dst, src, out, sink, rate_Bps)
-    except RuntimeError as e:  # gloo: a peer gone, a timeout
-        raise CheckpointError(f"replica transfer with ranks {dst} (to) and {src} (from) "
-                              f"failed: {e}") from e
+    with channel.round(f"replica round with ranks {dst} (to) and {src} (from)"):
+        incoming, sent, received = _transfer(channel, dst, src, out, sink, rate_Bps)
     assert incoming is not None
+    if out.error is not None:
+        errors.append(out.error)
     step_received = None
     if incoming.problem is not None:
         errors.append(incoming.problem)
     elif incoming.step is not None:
         slot, buf = target[0]
-        bad = incoming.mismatch(buf)
-        if bad is not None:
-            kept = store.newest()
-            errors.append(
-                f"replica of step {incoming.step} from rank {src}: checksum mismatch for "
-                f"{bad!r}; not published (the newest complete replica: "
-                f"{'step ' + str(kept[1].step) if kept else 'none'})")
-        else:
-            store._publish(slot, incoming.header(), incoming.size)
-            step_received = incoming.step
-    return ReplicaReport(out.step, sent, step_received, received, time.perf_counter() - t0,
-                         "; ".join(errors) or None)
+        try:
+            bad = incoming.mismatch(buf)
+            if bad is not None:
+                kept = store.newest()
+                errors.append(
+                    f"replica of step {incoming.step} from rank {src}: checksum mismatch for "
+                    f"{bad!r}; not published (the newest complete replica: "
+                    f"{'step ' + str(kept[1].step) if kept else 'none'})")
+            else:
+                step_received = _publish(store, slot, incoming, errors)
+        except Exception as e:  # the channel is fine: reported, never raised
+            errors.append(f"replica of step {incoming.step} from rank {src}: "
+                          f"{type(e).__name__}: {e}")
+    return ReplicaReport(out.step if out.error is None else None, sent, step_received,
+                         received, time.perf_counter() - t0, "; ".join(errors) or None)
 
 
-def send_replica(group: dist.ProcessGroup, dst: int, store: SnapshotStore, slot: int,
-                 header: SnapshotHeader | None, *, rate_Bps: float | None = None,
+def _publish(store: ReplicaStore, slot: int, incoming: _Incoming, errors: list[str]
+             ) -> int | None:
+    """Publish a verified replica; its step, or None when its header could not be
+    written. A spare slot that cannot be reserved afterwards is reported in `errors`:
+    the replica is complete all the same, and the next round refuses (and drains) what
+    finds no room."""
+    try:
+        store._publish(slot, incoming.header(), incoming.size)
+    except CheckpointError as e:
+        if store.header(slot) is None:
+            raise
+        errors.append(f"the replica of step {incoming.step} is kept, but the next one "
+                      f"has no room: {e}")
+    except OSError as e:
+        raise CheckpointError(f"the replica of step {incoming.step} was not published: "
+                              f"its header could not be written in {store.dir} "
+                              f"({e.strerror or e})") from None
+    return incoming.step
+
+
+def send_replica(channel: ReplicaChannel | dist.ProcessGroup, dst: int, store: SnapshotStore,
+                 slot: int, header: SnapshotHeader | None, *, rate_Bps: float | None = None,
                  chunk_bytes: int = CHUNK_BYTES) -> ReplicaReport:
     """Recovery, holder's side: send the copy in `slot` of `store` (a replica, or a
     rank's own snapshot left on this node) to rank `dst`, after checking every digest
     of it; a copy that fails them, or none (`header` None: the slot no longer holds
     it), is not sent: a marker goes instead (`receive_replica` returns None) and `error`
-    says why. Blocks until sent."""
+    says why. Blocks until sent, each wait bounded; ReplicaChannelBroken as
+    `exchange_replicas`."""
     _check_chunk(chunk_bytes, rate_Bps)
     me = _check_peers(dst, None)
+    channel = ReplicaChannel.of(channel)
+    channel.check()  # before the copy is read and verified: there is no one to send it to
     t0 = time.perf_counter()
     error = None
     try:
         if header is None:
             raise CheckpointError("the slot holds no complete copy any more")
         views = store.read(slot, header, verify=True)
-        out = _Outgoing.of(me, header, views, list(header.entries), chunk_bytes)
-    except (CheckpointError, OSError, KeyError) as e:
+        out = _Outgoing.of(me, header, views, list(header.entries), chunk_bytes,
+                           pace_s=chunk_bytes / rate_Bps if rate_Bps else 0.0)
+    except Exception as e:  # whatever it is, dst must get a marker, not a hang
         error = f"the copy in {store.dir}/slot-{slot} was not sent: {e}"
         out = _Outgoing.marker(me, error, chunk_bytes)
-    try:
-        _, sent, _ = _transfer(group, dst, None, out, None, rate_Bps)
-    except RuntimeError as e:
-        raise CheckpointError(f"sending a replica to rank {dst} failed: {e}") from e
-    return ReplicaReport(out.step, sent, None, 0, time.perf_counter() - t0, error)
+    with channel.round(f"sending a replica to rank {dst}"):
+        _, sent, _ = _transfer(channel, dst, None, out, None, rate_Bps)
+    error = error or out.error
+    return ReplicaReport(out.step if out.error is None else None, sent, None, 0,
+                         time.perf_counter() - t0, error)
 
 
-def receive_replica(group: dist.ProcessGroup, src: int
+def receive_replica(channel: ReplicaChannel | dist.ProcessGroup, src: int
                     ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
     """Recovery, receiver's side: the replica rank `src` sends (`send_replica`), as its
     header (offsets into one CPU buffer) and verified CPU tensors (ordinary memory, not
-    shared); None when the holder had no good copy or the bytes failed their digests in
-    transit: recover from storage then. Blocks until received."""
+    shared); None when the holder had no good copy, this rank had no memory for it
+    (the stream is drained), or the bytes failed their digests in transit: recover from
+    storage then. Blocks until received, each wait bounded; ReplicaChannelBroken as
+    `exchange_replicas`."""
     _check_peers(None, src)
+    channel = ReplicaChannel.of(channel)
     held: list[torch.Tensor] = []
 
     def sink(incoming: _Incoming) -> tuple[torch.Tensor, None]:
         held.append(torch.empty(incoming.size, dtype=torch.uint8))
         return held[0], None
 
-    try:
-        incoming, _, _ = _transfer(group, None, src, None, sink, None)
-    except RuntimeError as e:
-        raise CheckpointError(f"receiving a replica from rank {src} failed: {e}") from e
+    with channel.round(f"receiving a replica from rank {src}"):
+        incoming, _, _ = _transfer(channel, None, src, None, sink, None)
     assert incoming is not None
     if incoming.problem is not None or incoming.step is None or incoming.mismatch(held[0]):
         return None

@@ -135,13 +135,18 @@ def secure_job_dir(job: str) -> Path:
 
 def write_private(path: Path, data: str | bytes) -> None:
     """Write a file only this user can read (0600), atomically (a temporary file, then a
-    rename), never through a symbolic link planted at the temporary name."""
+    rename), never through a symbolic link planted at the temporary name. A write that
+    fails (ENOSPC on a full /dev/shm) leaves neither file changed nor the temporary one."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    tmp.rename(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        tmp.rename(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def default_job_id(ckpt_dir: str | Path) -> str:
@@ -263,27 +268,46 @@ class SnapshotStore:
         self._secure(create=True)
         path = self.bin_path(slot)
         if allocate:
-            have = path.stat().st_size if path.exists() else -1
-            if have < size:
-                size = slot_capacity(size)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.ftruncate(fd, size)
-                    if size:
-                        os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    raise CheckpointError(
-                        f"cannot reserve {size / 1e6:.0f} MB for a snapshot in {self.dir}: "
-                        f"{e.strerror}; give the node more shared memory (e.g. docker "
-                        "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
-                finally:
-                    os.close(fd)
-            else:
-                size = have
+            size = self._reserve(path, size)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = buf
         self._inodes[slot] = path.stat().st_ino
         return buf
+
+    def _reserve(self, path: Path, size: int) -> int:
+        """Make the slot file `path` at least `size` bytes with every page of it reserved
+        (allocated in the file system, not merely within its length); its length.
+
+        Design note: a tmpfs file can be longer than the memory it holds (a sparse file),
+        and a store into a page it does not hold kills the writer with SIGBUS when the
+        file system is full (a receive into one fails with EFAULT), so a writer never maps
+        a file whose pages are not all reserved. A file that is long enough is trusted
+        only when its allocated blocks cover its length (`st_blocks`): a reservation an
+        earlier process failed, or a file created some other way, is reserved again. When
+        a reservation fails the file is truncated to nothing, so that it neither holds
+        memory others need nor looks reserved by its length. Only a slot that holds no
+        complete snapshot is reserved (its header is gone first), so nothing is lost."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            st = os.fstat(fd)
+            if st.st_size >= size and st.st_blocks * 512 >= st.st_size:
+                return st.st_size  # long enough, and every page of it reserved
+            want = st.st_size if st.st_size >= size else slot_capacity(size)
+            try:
+                if want:
+                    # Sizes the file too. Trusted when it succeeds, whatever st_blocks
+                    # says later (a compressing file system may count fewer blocks).
+                    os.posix_fallocate(fd, 0, want)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                raise CheckpointError(
+                    f"cannot reserve {want / 1e6:.1f} MB for a snapshot in {self.dir}: "
+                    f"{e.strerror}; give the node more shared memory (e.g. docker "
+                    "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
+            return want
+        finally:
+            os.close(fd)
 
     def _unmap(self, slot: int) -> None:
         buf = self._maps.pop(slot, None)
@@ -298,8 +322,14 @@ class SnapshotStore:
         if not self._checked:
             if not create and not self.dir.exists():
                 return False
-            secure_job_dir(self.job)
-            secure_dir(self.dir)
+            try:
+                secure_job_dir(self.job)
+                secure_dir(self.dir)
+            except OSError as e:  # a full /dev/shm (ENOSPC), a read-only one
+                raise CheckpointError(
+                    f"cannot create the snapshot directory {self.dir}: {e.strerror or e}; "
+                    "give the node more shared memory (e.g. docker --shm-size) or point "
+                    "MOC_SHM_ROOT at a larger tmpfs") from None
             self._checked = True
         return True
 
@@ -385,7 +415,13 @@ class SnapshotStore:
                                   tuple(t.shape), crcs[key]) for key, t in tensors.items()}
         header = SnapshotHeader(step, entries, meta)
         with phases("header"):
-            write_private(self.header_path(slot), header.to_json())  # complete from here on
+            try:
+                write_private(self.header_path(slot), header.to_json())  # complete from here
+            except OSError as e:  # the slot is reserved, its header is a new file: ENOSPC
+                raise CheckpointError(
+                    f"cannot write the header of the snapshot of step {step} in {self.dir}: "
+                    f"{e.strerror or e}; give the node more shared memory (e.g. docker "
+                    "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
         return header
 
     def _copy_gpu(self, slot: int, buf: torch.Tensor, offsets: dict[str, int],
@@ -528,7 +564,27 @@ def claim_job(job: str) -> Path:
 
     Refuses (CheckpointError) a job directory whose owner still runs and is neither this
     process nor its parent: another job with the same job id (`job=`), whose snapshots
-    this one would overwrite and whose persist process it would replace."""
+    this one would overwrite and whose persist process it would replace; and, with one
+    line naming the root and what to do, a shared memory with no room for the claim (a
+    full /dev/shm), leaving no directory of its own behind."""
+    existed = os.path.lexists(job_dir(job))
+    try:
+        return _claim(job)
+    except OSError as e:
+        if not existed:  # ours, made just now: nothing of anyone's can be in it but ours
+            with contextlib.suppress(OSError):
+                (job_dir(job) / OWNER).unlink(missing_ok=True)
+                os.rmdir(job_dir(job))  # only when empty: never a snapshot
+        root = shm_root()
+        raise CheckpointError(
+            f"cannot claim the shared memory of job {job!r} in {root}: {e.strerror or e}; "
+            f"free some (df -h {root}; remove stale moc-* directories of yours), give the "
+            "node more shared memory (e.g. docker --shm-size) or point MOC_SHM_ROOT at a "
+            "larger tmpfs") from None
+
+
+def _claim(job: str) -> Path:
+    """`claim_job`'s work; OSError when the shared memory cannot hold it."""
     jdir = secure_job_dir(job)
     remove_stale_jobs(keep=job)
     held = read_owner(jdir)
@@ -544,9 +600,18 @@ def claim_job(job: str) -> Path:
             "job id (the engine's job= argument) or its own MOC_SHM_ROOT; if that process "
             f"is not a moc job, remove {jdir}")
     owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-    write_private(jdir / OWNER, json.dumps(ProcessId.of(owner).to_json()))
+    record_owner(jdir, owner)
     (jdir / LEGACY_OWNER).unlink(missing_ok=True)
     return jdir
+
+
+def record_owner(directory: Path, pid: int) -> None:
+    """Record process `pid` (of this machine and PID namespace) as the owner of
+    `directory`, a `moc-*` directory under the shm root: `remove_stale_jobs` removes it
+    only once that process is provably gone. Every `moc-*` directory must carry one
+    (a job's, `moc train --nodes`' simulated machines'), or after STALE_AFTER_S
+    untouched it is taken for an abandoned one and removed while in use."""
+    write_private(directory / OWNER, json.dumps(ProcessId.of(pid).to_json()))
 
 
 def read_owner(jdir: Path) -> ProcessId | None:
@@ -580,14 +645,17 @@ def remove_stale_jobs(keep: str) -> list[Path]:
     for d in shm_root().glob("moc-*"):
         if d.name == f"moc-{keep}":
             continue
-        st = os.lstat(d)
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another job cleaning up)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
         owner = read_owner(d)
         if owner is not None:
             if owner.gone(this_machine=True) is not True:
                 continue  # running, or not ours to judge
-        elif time.time() - d.stat().st_mtime < STALE_AFTER_S:
+        elif time.time() - st.st_mtime < STALE_AFTER_S:
             # No owner record: a directory being set up right now, or not ours; only
             # remove it when it has been left alone for a while.
             continue

@@ -27,6 +27,7 @@ from moc.checkpoint.twolevel.slots import (
     job_dir,
     remove_stale_jobs,
 )
+from tests.fs import fill, tmpfs
 from tests.procs import UNSHARE_PIDS, can_unshare_pids, dead_pid
 
 
@@ -401,3 +402,103 @@ def test_the_streaming_copy_is_built_where_it_can_be():
     back to numpy's copy: where a compiler is there, the build must have worked."""
     assert slots.STREAMING, ("moc.checkpoint.twolevel.streamcopy did not build: run "
                              "`pip install -e .` and read its compiler errors")
+
+
+# -- issue 29: a shared memory that fills up (items 7 and 16) -------------------------------
+
+
+def _sparse(store: SnapshotStore) -> list[str]:
+    """Slot files longer than the memory they hold: a store into one kills the writer
+    with SIGBUS when the file system is full."""
+    return [p.name for p in map(store.bin_path, range(store.n_slots))
+            if p.exists() and p.stat().st_blocks * 512 < p.stat().st_size]
+
+
+@pytest.mark.integration
+def test_a_failed_reservation_leaves_no_sparse_slot_and_a_later_one_with_room_works(
+        tmp_path, monkeypatch):
+    """A real 1 MB tmpfs: the slot being written fits, the second spare one does not.
+    Before, the failed posix_fallocate left that slot's file sized but holding nothing,
+    and the next process mapped it as reserved (SIGBUS in the next test)."""
+    state = {"w": torch.ones(100_000)}  # 400 kB: a slot of 0.47 MB
+    with tmpfs(tmp_path / "small", "1m") as root:
+        monkeypatch.setenv("MOC_SHM_ROOT", str(root))
+        store = SnapshotStore("job", 0)
+        with pytest.raises(CheckpointError, match=r"cannot reserve [0-9.]+ MB .*No space left.*"
+                                                  r"MOC_SHM_ROOT at a larger tmpfs"):
+            store.write(0, 1, state, {})
+        assert _sparse(store) == []
+        assert store.headers() == {}
+        store.release()
+        subprocess.run(["mount", "-o", "remount,size=4m", str(root)], check=True)
+        again = SnapshotStore("job", 0)  # a restarted process, now with room
+        header = again.write(0, 2, state, {})
+        assert torch.equal(again.read(0, header)["w"], state["w"])
+        assert _sparse(again) == [] and all(again.bin_path(s).exists() for s in range(3))
+
+
+WRITE_SNAPSHOT = """
+import sys, torch
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.slots import SnapshotStore
+try:
+    SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(int(sys.argv[1]))}, {})
+except CheckpointError as e:
+    print("refused:", e)
+else:
+    print("written")
+"""
+
+
+@pytest.mark.integration
+def test_a_slot_file_that_holds_no_memory_is_reserved_before_it_is_written(tmp_path):
+    """Slot files of the right length holding no pages (what a failed reservation left
+    before, or a writer killed between sizing and reserving), on a full tmpfs: a new
+    writer must fail with a clear error, where it died of SIGBUS (exit -7)."""
+    n = 100_000
+    with tmpfs(tmp_path / "shm", "2m") as root:
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "MOC_SHM_ROOT": str(root)}
+        store = SnapshotStore("job", 0)
+        store._secure(create=True)
+        for slot in range(store.n_slots):
+            with open(store.bin_path(slot), "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.truncate(slots.slot_capacity(4 * n))  # sized, nothing reserved
+        assert len(_sparse(store)) == store.n_slots
+        fill(root)
+        r = subprocess.run([sys.executable, "-c", WRITE_SNAPSHOT, str(n)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+        assert r.stdout.startswith("refused: cannot reserve 0.5 MB for a snapshot in ")
+        assert "No space left on device" in r.stdout
+        assert "slot-0.bin" not in _sparse(store)  # the one it tried: emptied, not left so
+        (root / "filler").unlink()  # room again: the next writer reserves and writes
+        r = subprocess.run([sys.executable, "-c", WRITE_SNAPSHOT, str(n)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "written", r.stderr[-2000:]
+        assert _sparse(store) == []
+
+
+@pytest.mark.integration
+def test_a_full_shared_memory_at_the_claim_is_one_clear_line_and_leaves_nothing(
+        tmp_path, monkeypatch):
+    """/dev/shm full before the job starts: before, claim_job raised a raw OSError and
+    left an empty job directory (with owner.json.tmp) behind."""
+    with tmpfs(tmp_path / "shm", "1m") as root:
+        monkeypatch.setenv("MOC_SHM_ROOT", str(root))
+        claim_job("restarted")  # a job that restarts later, with a snapshot to keep
+        SnapshotStore("restarted", 0).write(0, 5, {"w": torch.ones(3)}, {})
+        fill(root)
+        with pytest.raises(CheckpointError) as e:
+            claim_job("new")
+        message = str(e.value)
+        assert "\n" not in message
+        assert message.startswith(f"cannot claim the shared memory of job 'new' in {root}: "
+                                  "No space left on device; free some")
+        assert "MOC_SHM_ROOT at a larger tmpfs" in message
+        assert not job_dir("new").exists()
+        assert sorted(p.name for p in root.iterdir()) == ["filler", "moc-restarted"]
+        with pytest.raises(CheckpointError, match="cannot claim the shared memory of job"):
+            claim_job("restarted")
+        assert 0 in SnapshotStore("restarted", 0).headers()  # the snapshot is kept
+        assert not list(job_dir("restarted").glob("*.tmp"))
