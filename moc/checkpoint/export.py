@@ -31,6 +31,7 @@ the state dict). Each gets `config.json` when the checkpoint stored the model's 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -97,8 +98,9 @@ class ExportReport:
 
 def model_config_of(model: nn.Module) -> dict[str, Any]:
     """`model.config` as JSON (a transformers `PretrainedConfig`: `to_json_string`, else
-    anything with `to_dict`), for `config.json` on export; {} when the model has none or
-    it is not JSON. `architectures` is filled in as save_pretrained does."""
+    anything with `to_dict`, or a plain dict, as moc's own `Transformer.config` is), for
+    `config.json` on export; {} when the model has none or it is not JSON.
+    `architectures` is filled in as save_pretrained does."""
     config = getattr(model, "config", None)
     if config is None:
         return {}
@@ -107,6 +109,8 @@ def model_config_of(model: nn.Module) -> dict[str, Any]:
             d = json.loads(config.to_json_string(use_diff=False))
         elif callable(getattr(config, "to_dict", None)):
             d = config.to_dict()
+        elif isinstance(config, dict):
+            d = dict(config)
         else:
             return {}
         text = json.dumps(d, allow_nan=False)  # strict JSON, as manifests are
@@ -348,10 +352,95 @@ def _publish(tmp: Path, out: Path) -> None:
     if out.is_dir() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
         out.rename(old)
-    tmp.rename(out)  # replaces an empty directory
+    try:
+        tmp.rename(out)  # replaces an empty directory
+    except BaseException:
+        if old is not None:
+            old.rename(out)  # OUT as it was
+        raise
     fsync_dir(out.parent)
     if old is not None:
-        shutil.rmtree(old)
+        try:
+            shutil.rmtree(old)
+        except OSError as e:  # the export is in place: not a failed export
+            log.warning("the export is in %s; could not remove the replaced %s: %s",
+                        out, old, e)
+
+
+class _ReadFailed(Exception):
+    """An OSError while reading the checkpoint, carried past the handler that turns the
+    OSErrors of writing OUT into one line: it is the source's, not OUT's."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _parents(out: Path) -> list[Path]:
+    """Create OUT's missing parent directories, outermost first, and return them (to
+    remove if the export fails). Refuses an ancestor that is a file or a dangling link,
+    which `mkdir(parents=True)` reports as "File exists"."""
+    missing = []
+    p = out.parent
+    while not p.exists() and not p.is_symlink():
+        missing.append(p)
+        p = p.parent
+    if not p.is_dir():
+        what = (f"a symbolic link to {os.readlink(p)}, which does not resolve"
+                if p.is_symlink() and not p.exists() else "not a directory")
+        raise ValueError(f"OUT {out} cannot be created: {p} is {what}; choose another OUT")
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+    except BaseException:
+        _remove_dirs(made)
+        raise
+    return made
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove the directories an export created, innermost first, if still empty."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _unwritable(out: Path, e: OSError | RuntimeError, total: int | None) -> str:
+    """One line for an OUT the export cannot write: what the system said, where."""
+    why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+    if getattr(e, "errno", None) == errno.EBUSY and os.path.ismount(out):
+        why += " (OUT is a mount point: export into a directory inside it)"
+    at = getattr(e, "filename", None)
+    where = f" (at {at})" if at and str(at) != str(out) else ""
+    room = (f" with room for the export ({total / 1e6:.1f} MB)"
+            if total is not None and getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            else "")
+    return (f"cannot write the export to OUT {out}: {why}{where}; OUT is as it was. Choose "
+            f"an OUT on a writable file system{room}")
+
+
+def _write_export(out: Path, write: Callable[[Path], list[str]]) -> list[str]:
+    """Run `write(tmp)` in a temporary directory next to OUT, then rename it into place.
+    On any failure, the temporary directory and the parents this created are removed
+    and OUT is as it was."""
+    made = _parents(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        files = write(tmp)
+        fsync_dir(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(made)
+        raise
+    return files
 
 
 def _steps_message(root: Path | ObjectPath, step: int, steps: list[int]) -> str:
@@ -394,27 +483,28 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
     step = steps[-1] if step is None else step
     if step not in steps:
         raise ValueError(_steps_message(root, step, steps))
-    _checked_out(root, out, force)
+    try:
+        _checked_out(root, out, force)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Path.resolve)
+        raise ValueError(_unwritable(out, e, None)) from e
     manifest = Manifest.load(root, step)
     plan = state_dict_plan(manifest)
     ages = expert_ages(manifest)
     if any(a for row in ages.values() for a in row) and not allow_partial:
         raise StaleExpertsError(_stale_message(manifest, ages, root))
     reader = CheckpointReader(root, manifest)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        total = sum(t.nbytes for t in plan.values())
+    total = sum(t.nbytes for t in plan.values())
 
-        def read(t: _Tensor) -> torch.Tensor:
+    def read(t: _Tensor) -> torch.Tensor:
+        try:
             tensor = _read(reader, t)
-            if progress is not None:
-                progress(t.nbytes, total)
-            return tensor
+        except OSError as e:
+            raise _ReadFailed(e) from e
+        if progress is not None:
+            progress(t.nbytes, total)
+        return tensor
 
+    def write(tmp: Path) -> list[str]:
         files = _write_files(tmp, format, plan, read, shard_size)
         if manifest.model_config:
             _write_json(tmp / "config.json", manifest.model_config)
@@ -423,15 +513,16 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
             "source": str(root if isinstance(root, ObjectPath) else root.resolve()),
             "step": step, "format": format,
             "expert_age": {str(m): row for m, row in ages.items()}})
-        files.append("moc-export.json")
-        fsync_dir(tmp)
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ExportReport(step, out, format, files, len(plan),
-                        sum(t.nbytes for t in plan.values()), bool(manifest.model_config),
-                        ages)
+        return [*files, "moc-export.json"]
+
+    try:
+        files = _write_export(out, write)
+    except _ReadFailed as e:
+        raise e.error from None
+    except OSError as e:
+        raise ValueError(_unwritable(out, e, total)) from e
+    return ExportReport(step, out, format, files, len(plan), total,
+                        bool(manifest.model_config), ages)
 
 
 def format_export(report: ExportReport) -> str:

@@ -8,19 +8,26 @@ token ledger as the forward runs:
     ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
     ckpt.watch_routing(model)             # once, before the loop; no record_routing
 
-What is hooked (`find_routers`), one module per MoE layer of the `ExpertSpec`, matched
-to the spec's layer through the module that holds that layer's expert container (the
-MoE block), never by position in the model:
+What is hooked (`find_routers`): for each MoE layer of the `ExpertSpec`, the block that
+holds the layer's expert container (matched through the spec, never by position in the
+model) and its router, the block's child `gate` or `router`. What a forward counted is
+told by what the outputs are, not by names or classes:
 
-    moc's own MoE     the block (`MoE`): its forward returns (y, aux, counts_E), the
-                      assignments kept per global expert after capacity dropping, the
-                      same numbers `ModelOutput.tokens_per_expert` stacks
-    transformers v5   the block's `gate` (Mixtral, Qwen2-MoE, OLMoE `*TopKRouter`):
-                      (router_logits, router_scores, router_indices); the indices
-    transformers v4   the block's `gate`, an `nn.Linear` returning logits: top-k of
-                      their softmax with k = the block's `top_k`, as the block does
-    anything else     `routers={layer: module}` and `indices=fn(module, inputs, output)`
-                      returning the global expert ids chosen; or `observe(layer, ids)`
+    the block returns an (E,) integer   the assignments it kept per global expert: moc's
+    tensor last                         MoE, (y, aux, counts_E), after capacity dropping
+    else the router's output holds      the global expert ids it chose: transformers v5
+    exactly one integer tensor          `*TopKRouter`s return (logits, scores, ids), some
+                                        with a fourth member (Zaya, Inkling)
+    else router logits: a float         top-k of their float32 softmax, k = the router's
+    tensor, or a tuple's last float     or the block's `top_k`: transformers v4's `gate`
+    tensor with E columns               (an nn.Linear), Llama 4's (scores, logits)
+    anything else                       `routers={layer: module}` and `indices=fn(module,
+                                        inputs, output)` returning the global expert ids
+                                        chosen; or `observe(layer, ids)`
+
+A block with no router child is refused when the recorder is built. Every MoE family of
+transformers 5.24 that builds on the CPU is tested (tests/checkpoint/test_routing_zoo.py)
+against the ids its experts were called with.
 
 Which forwards count: those of a module in training mode with grad enabled (eval and
 `torch.no_grad()` forwards are not counted). With expert parallelism a router sees this
@@ -35,10 +42,11 @@ is skipped; reentrant checkpointing's first forward runs without grad (not count
 its recompute counts. A hook tells them apart by a per-layer tally of counted forwards
 not yet recomputed (see docs/DECISIONS.md, "Issue 13: routing recorded for you").
 
-Hot path: per MoE layer per forward, one scatter-add of the ids into an (E,) count (or the
-layer's own counts) and one add into the ledger, on the tensors' own device: no host
-sync, no communication. The hooks return None, so the model's outputs and loss are the
-model's own, bit for bit.
+Hot path: per MoE layer per forward, two hooks (the router's keeps a reference to its
+output for the block's, which reads it), one scatter-add of the ids into an (E,) count
+(or the layer's own counts) and one add into the ledger, on the tensors' own device: no
+host sync, no communication. The hooks return None, so the model's outputs and loss are
+the model's own, bit for bit.
 """
 
 from __future__ import annotations
@@ -71,10 +79,33 @@ class Hooked:
     """What is hooked for one MoE layer, and how its forward is read."""
 
     module: nn.Module
+    """The router: its output holds the expert ids (or logits) of each forward."""
+    block: nn.Module | None = None
+    """The MoE block around the router, whose output is read first: an (E,) integer
+    tensor last is the counts the block kept (moc's MoE, after capacity dropping). None
+    for a router given by `routers=`: its output alone is read."""
     top_k: int | None = None
-    """k of a router that returns only logits (transformers v4: the block's `top_k`)."""
-    returns_counts: bool = False
-    """The module returns its (E,) counts last (moc's MoE: after capacity dropping)."""
+    """k of a router that returns only logits (the router's or its block's `top_k`)."""
+
+
+class _Counting:
+    """Whether a forward of one MoE layer counts: a training forward with grad, counted
+    once under activation recomputation (module docstring). One per layer, called once
+    per forward by the hook that records."""
+
+    def __init__(self) -> None:
+        self.unrecomputed = 0  # counted forwards of this layer not recomputed (yet)
+
+    def __call__(self, module: nn.Module) -> bool:
+        if not (module.training and torch.is_grad_enabled()):
+            return False
+        if _graph_task_id() != -1:  # activation checkpointing's recompute
+            if self.unrecomputed:  # non-reentrant: its first forward counted
+                self.unrecomputed -= 1
+                return False
+            return True  # reentrant: the first forward ran without grad; this one counts
+        self.unrecomputed += 1
+        return True
 
 
 class RoutingRecorder:
@@ -84,9 +115,10 @@ class RoutingRecorder:
     `routers`: None finds one per MoE layer (see the module docstring); else a mapping
     {MoE layer: module or module name} (or a sequence in layer order): only those are
     hooked, and other layers are counted only through `observe`. `indices`: how to read
-    the chosen global expert ids out of a hooked module's forward; None reads them by the
-    output's type. `top_k`: the k of a router that returns only logits (default: the
-    module's or its block's `top_k`).
+    the chosen global expert ids out of a hooked router's forward; None reads the counts
+    by what the outputs are (the block's counts, else the router's ids or logits).
+    `top_k`: the k of a router that returns only logits (default: the router's or its
+    block's `top_k`).
 
     Owner: the caller's thread, which runs the forwards (the ledger's `record_layer`).
     `remove()` (or leaving a `with` block) takes the hooks off; a removed recorder
@@ -104,40 +136,54 @@ class RoutingRecorder:
         hooked = (find_routers(model, self.spec) if routers is None
                   else _named_routers(model, self.spec, routers))
         self.routers: dict[int, nn.Module] = {m: h.module for m, h in sorted(hooked.items())}
-        """The module hooked for each MoE layer."""
+        """The router hooked for each MoE layer (found ones: its block is hooked too)."""
         self._own_ledger = ledger is None
         self.ledger = ledger if ledger is not None else TokenLedger(
             self.spec.n_moe_layers, self.spec.n_experts)
         self.ledger.watch()  # refuses a second recorder, or one after record_routing
         self._handles: list | None = [
-            h.module.register_forward_hook(self._hook(m, h, indices, top_k))
-            for m, h in sorted(hooked.items())]
+            module.register_forward_hook(hook)
+            for m, h in sorted(hooked.items())
+            for module, hook in self._hooks(m, h, indices, top_k)]
 
-    def _hook(self, layer: int, hooked: Hooked, indices: IndicesFn | None,
-              top_k: int | None) -> Callable:
+    def _hooks(self, layer: int, hooked: Hooked, indices: IndicesFn | None,
+               top_k: int | None) -> list[tuple[nn.Module, Callable]]:
+        """The (module, forward hook) pairs that count one MoE layer."""
         n_experts, ledger = self.spec.n_experts, self.ledger
         k = top_k or hooked.top_k
-        unrecomputed = [0]  # counted forwards of this layer not recomputed (yet)
+        counting = _Counting()
+        if indices is not None or hooked.block is None:
+            def router_hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+                if counting(module):
+                    ledger.record_layer(layer, (
+                        bincount(indices(module, inputs, output), n_experts)
+                        if indices is not None else read_counts(module, output, n_experts, k)))
 
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            if not (module.training and torch.is_grad_enabled()):
+            return [(hooked.module, router_hook)]
+
+        # The router runs inside its block's forward: its hook keeps its output for the
+        # block's hook, which runs last and knows whether the block returned its counts.
+        routed: list[Any] = [None]
+
+        def keep(module: nn.Module, inputs: tuple, output: Any) -> None:
+            routed[0] = output
+
+        def block_hook(block: nn.Module, inputs: tuple, output: Any) -> None:
+            router_output, routed[0] = routed[0], None  # never held past this forward
+            if not counting(block):
                 return
-            if _graph_task_id() != -1:  # activation checkpointing's recompute
-                if unrecomputed[0]:  # non-reentrant: its first forward counted
-                    unrecomputed[0] -= 1
-                    return
-                # reentrant: the first forward ran without grad; this one counts
-            else:
-                unrecomputed[0] += 1
-            if indices is not None:
-                counts_E = bincount(indices(module, inputs, output), n_experts)
-            elif hooked.returns_counts:
-                counts_E = block_counts(module, output, n_experts)
-            else:
-                counts_E = read_counts(module, output, n_experts, k)
+            counts_E = kept_counts(output, n_experts)
+            if counts_E is None:
+                if router_output is None:
+                    raise RuntimeError(
+                        f"{type(block).__name__}'s forward did not call its router "
+                        f"{type(hooked.module).__name__} (a fused kernel?), so its routing "
+                        "cannot be read: pass watch_routing(model, routers={layer: module}, "
+                        "indices=fn) for the module that chooses the experts")
+                counts_E = read_counts(hooked.module, router_output, n_experts, k)
             ledger.record_layer(layer, counts_E)
 
-        return hook
+        return [(hooked.module, keep), (hooked.block, block_hook)]
 
     def observe(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Count the global expert ids one MoE layer chose in this forward, for a model
@@ -208,38 +254,52 @@ def bincount(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def block_counts(module: nn.Module, output: Any, n_experts: int) -> torch.Tensor:
-    """The (E,) counts a block with a `router` returns last (moc's MoE); checked on
-    shapes and dtypes only (no sync)."""
+def kept_counts(output: Any, n_experts: int) -> torch.Tensor | None:
+    """The (E,) counts a block returns last (moc's MoE: the assignments it kept), or None
+    when its output does not end with an (E,) integer tensor. Shapes and dtypes only (no
+    sync)."""
     last = output[-1] if isinstance(output, tuple) and output else None
-    if not (_is_int(last) and tuple(last.shape) == (n_experts,)):
-        raise TypeError(
-            f"{type(module).__name__} has a `router` but does not return its (E,) counts "
-            "last, as moc's MoE does; pass watch_routing(model, routers={layer: "
-            "block.router, ...}, indices=fn) with fn(module, inputs, output) -> LongTensor "
-            "of global expert ids")
-    return last
+    return last if _is_int(last) and tuple(last.shape) == (n_experts,) else None
 
 
 def read_counts(module: nn.Module, output: Any, n_experts: int, top_k: int | None
                 ) -> torch.Tensor:
-    """A router's (E,) counts, read by the type of its output (module docstring)."""
-    if isinstance(output, tuple) and output and _is_int(output[-1]):
-        return bincount(output[-1], n_experts)  # transformers v5: (logits, scores, ids)
-    ids = getattr(output, "ids_NK", None)  # moc's Router, hooked by name
-    if _is_int(ids):
-        return bincount(ids, n_experts)
-    if isinstance(output, torch.Tensor) and output.dtype.is_floating_point:
+    """A router's (E,) counts, read by what its output is (module docstring)."""
+    members = _members(output)
+    ids = [t for t in members if _is_int(t)]
+    if len(ids) == 1:  # transformers v5: (logits, scores, ids[, ...]); moc's Routing
+        return bincount(ids[0], n_experts)
+    if len(ids) > 1:
+        raise TypeError(
+            f"{type(module).__name__} returns {len(ids)} integer tensors; which holds the "
+            "chosen experts is not clear: pass watch_routing(model, routers={layer: "
+            "module}, indices=fn) with fn(module, inputs, output) -> the global expert ids")
+    logits = [t for t in members if isinstance(t, torch.Tensor)
+              and t.dtype.is_floating_point and t.dim() and t.shape[-1] == n_experts]
+    if logits:
         k = top_k or getattr(module, "top_k", None)
         if k is None:
             raise ValueError(f"{type(module).__name__} returns router logits but no top_k "
                              "is known: pass watch_routing(model, top_k=k)")
         # transformers v4: top-k of the float32 softmax, ties broken as the block does.
-        return bincount(output.float().softmax(dim=-1).topk(k, dim=-1).indices, n_experts)
+        return bincount(logits[-1].float().softmax(dim=-1).topk(k, dim=-1).indices,
+                        n_experts)
     raise TypeError(
         f"cannot read the experts {type(module).__name__} chose from its output "
         f"({type(output).__name__}); pass watch_routing(model, routers={{layer: module}}, "
         "indices=fn) with fn(module, inputs, output) -> LongTensor of global expert ids")
+
+
+def _members(output: Any) -> list[Any]:
+    """The output itself if a tensor, else the members of a tuple or list, or the fields
+    of an object (moc's `Routing` dataclass): one level, no deeper."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    if isinstance(output, Mapping):
+        return list(output.values())
+    return list(getattr(output, "__dict__", {}).values())
 
 
 def _is_int(t: object) -> bool:
@@ -263,24 +323,25 @@ def layer_containers(spec: ExpertSpec) -> list[set[str]]:
 
 
 def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
-    """What to hook for each MoE layer of `spec`: the router (`gate` or `router`) of the
-    block that holds the layer's experts, or moc's own MoE block itself (it has a
-    `router` and returns its kept counts). Raises ValueError naming the layers it cannot
-    map."""
+    """What to hook for each MoE layer of `spec`: the block that holds the layer's
+    experts and its router (its child `gate` or `router`). Raises ValueError naming the
+    layers it cannot map."""
     named = dict(model.named_modules())
     found: dict[int, Hooked] = {}
     missing = []
     for layer, containers in enumerate(layer_containers(spec)):
         blocks = {c.rpartition(".")[0] for c in containers}
-        block = named.get(blocks.pop()) if len(blocks) == 1 else None
-        gate, router = (getattr(block, n, None) for n in ROUTER_NAMES)
-        if isinstance(gate, nn.Module):
-            found[layer] = Hooked(gate, getattr(gate, "top_k", None) or
-                                  getattr(block, "top_k", None))
-        elif isinstance(router, nn.Module):
-            found[layer] = Hooked(block, returns_counts=True)
-        else:
-            missing.append(f"layer {layer} (experts {', '.join(sorted(containers))})")
+        block_name = blocks.pop() if len(blocks) == 1 else None
+        block = named.get(block_name) if block_name is not None else None
+        router = next((r for r in (getattr(block, n, None) for n in ROUTER_NAMES)
+                       if isinstance(r, nn.Module)), None)
+        if router is None:
+            where = (f"block {block_name or '(the model)'}" if block is not None
+                     else "experts in several modules")
+            missing.append(f"layer {layer} ({where}, experts {', '.join(sorted(containers))})")
+            continue
+        found[layer] = Hooked(router, block, getattr(router, "top_k", None) or
+                              getattr(block, "top_k", None))
     if missing:
         raise ValueError(
             f"found a router for {len(found)} of the {spec.n_moe_layers} MoE layers: no "

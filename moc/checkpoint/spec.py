@@ -104,15 +104,10 @@ class ExpertSpec:
                         params.append(ExpertParam(f"{prefix}{i}.{rel}", f"{prefix}{rel}", layer,
                                                   None, (offset + i,), mod_name))
                 continue
-            direct = list(container.named_parameters(recurse=False))
-            sizes = {p.shape[0] if p.dim() else None for _, p in direct}
-            if not direct or len(sizes) != 1 or None in sizes:
-                raise ValueError(
-                    f"ExpertSpec: {mod_name!r} is neither an nn.ModuleList of experts nor a "
-                    f"module of batched [E_local, ...] parameters (leading sizes {sizes})")
-            n_local = sizes.pop()
+            n_local = _batched_size(mod_name, container)
             ids = tuple(range(offset, offset + n_local))
-            params += [ExpertParam(prefix + rel, prefix + rel, layer, 0, ids) for rel, _ in direct]
+            params += [ExpertParam(prefix + rel, prefix + rel, layer, 0, ids)
+                       for rel, _ in container.named_parameters(recurse=False)]
         if n_experts is None:
             cfg = getattr(model, "cfg", None)
             n_experts = getattr(cfg, "n_experts", None) or 1 + max(
@@ -134,8 +129,10 @@ class ExpertSpec:
             if _is_expert_container(name, m) and not inside:
                 modules.append(name)
         if not modules:
-            raise ValueError("ExpertSpec.infer found no expert container (a module named "
-                             "'experts'); build the spec with ExpertSpec.from_modules")
+            raise ValueError(f"ExpertSpec.infer found no expert container in "
+                             f"{type(model).__name__} (a module named 'experts', or one "
+                             "declaring expert_offset); build the spec with "
+                             "ExpertSpec.from_modules")
         return cls.from_modules(model, modules, n_experts=n_experts, expert_offset=expert_offset)
 
     def by_name(self) -> dict[str, ExpertParam]:
@@ -247,6 +244,36 @@ def _container_of(p: ExpertParam) -> str | None:
     found = [j for j, part in enumerate(parts)
              if part.isdigit() and ".".join(parts[:j] + parts[j + 1:]) == p.stem]
     return ".".join(parts[:found[0]]) if len(found) == 1 else None
+
+
+_BY_HAND = ("build the ExpertSpec by hand, ExpertSpec(n_experts, n_moe_layers, "
+            "params=(ExpertParam(...), ...)), one ExpertParam per expert tensor")
+
+
+def _batched_size(name: str, container: nn.Module) -> int:
+    """The number of local experts of a container of batched [E_local, ...] parameters:
+    its own parameters, each at least 2-D, share the leading size (a submodule's
+    parameters, a norm inside it, stay dense). Otherwise slicing dim 0 would not give one
+    expert's weights and the spec would be silently wrong: JetMoE's attention `experts`
+    holds one bias vector of its own (its experts are in two children) and was taken for
+    32 experts of a bias. Raises ValueError saying what the container holds and what to
+    do."""
+    what = f"ExpertSpec: {name!r} ({type(container).__name__})"
+    if isinstance(container, nn.ModuleDict):
+        raise ValueError(f"{what} is an nn.ModuleDict of experts; moc reads an nn.ModuleList "
+                         f"(child i is local expert i) or batched [E_local, ...] tensors: "
+                         f"{_BY_HAND}")
+    direct = list(container.named_parameters(recurse=False))
+    inner = sorted({n.rpartition(".")[0] for n, _ in container.named_parameters() if "." in n})
+    sizes = {p.shape[0] for _, p in direct if p.dim() >= 2}
+    if direct and len(sizes) == 1 and all(p.dim() >= 2 for _, p in direct):
+        return sizes.pop()
+    found = ", ".join(f"{n} {tuple(p.shape)}" for n, p in direct) or "no parameters of its own"
+    if inner:
+        found += f" (and its submodules {', '.join(inner)} hold more)"
+    raise ValueError(
+        f"{what} is neither an nn.ModuleList of experts nor a module of batched [E_local, "
+        f"...] parameters (at least 2-D, one leading size): it holds {found}; {_BY_HAND}")
 
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:

@@ -1,6 +1,8 @@
 """The reference MoE transformer. No distributed or checkpoint code lives here."""
 
+from moc.model.exported import load_exported
 from moc.model.transformer import (
+    MODEL_TYPE,
     Experts,
     FeedForward,
     ModelConfig,
@@ -11,6 +13,7 @@ from moc.model.transformer import (
 )
 
 __all__ = [
+    "MODEL_TYPE",
     "Experts",
     "FeedForward",
     "MoE",
@@ -18,4 +21,5 @@ __all__ = [
     "ModelOutput",
     "Router",
     "Transformer",
+    "load_exported",
 ]

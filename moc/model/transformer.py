@@ -22,6 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+MODEL_TYPE = "moc"
+"""`model_type` of this model in a `config.json` (transformers' key for an architecture):
+what `moc.model.load_exported` recognises as its own."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -274,6 +278,15 @@ class Transformer(nn.Module):
                 p.normal_(0.0, residual_std)
             else:
                 p.normal_(0.0, 0.02)
+
+    @property
+    def config(self) -> dict:
+        """The architecture as a transformers `config.json` holds one: `model_type`,
+        `architectures` and the `ModelConfig` fields. Tools that keep a model's config
+        with its weights read `model.config` (moc's engines store it in every manifest;
+        `moc export` writes it as config.json, which `load_exported` reads back)."""
+        return {"model_type": MODEL_TYPE, "architectures": [type(self).__name__],
+                **self.cfg.to_dict()}
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
                 ) -> ModelOutput:

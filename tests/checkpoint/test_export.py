@@ -7,6 +7,7 @@ the readers users have (safetensors, `torch.load`, transformers' `from_pretraine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from moc.model import ModelConfig, Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from tests.checkpoint.test_foreign_model import Net, _build, _spec, _step
 from tests.distributed import run_ranks
+from tests.fs import fill, tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32, n_experts=4)
@@ -111,7 +113,8 @@ def _tree(root: Path) -> dict[str, tuple]:
 def test_a_final_checkpoint_exports_the_trained_state_under_the_models_names(tmp_path):
     model = _checkpoints(tmp_path / "ckpt", 3, k=1, final=True)
     report = moc.export(tmp_path / "ckpt", tmp_path / "out", format="safetensors")
-    assert report.step == 3 and not report.partial and not report.config
+    assert report.step == 3 and not report.partial
+    assert report.config  # moc's Transformer.config: load_exported reads it (tests/model)
     sd = load_file(tmp_path / "out" / "model.safetensors")
     _assert_state_equal(sd, model.state_dict())
     fresh, _ = _moc_model(seed=5)
@@ -230,12 +233,82 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path, capsys):
     assert "not empty; pass force=True (--force)" in capsys.readouterr().err
     assert (out / "mine.txt").read_text() == "keep"
     assert main(["export", str(root), str(out), "--force", "--format", "torch"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["moc-export.json", "pytorch_model.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "moc-export.json",
+                                                     "pytorch_model.bin"]
     with pytest.raises(SystemExit):
         main(["export", str(root), str(out), "--shard-size", "lots"])
     assert "expected a size" in capsys.readouterr().err
     with pytest.raises(ValueError, match="format must be one of hf, safetensors, torch"):
         moc.export(root, tmp_path / "x", format="gguf")
+
+
+def _bad_out(case: str, tmp: Path, stack: contextlib.ExitStack) -> tuple[Path, Path, list]:
+    """(OUT, the directory to watch, extra arguments) of one bad OUT, on real file
+    systems: mounts are real tmpfs mounts (skipped where mounting is not allowed)."""
+    if case == "read-only mount":
+        mnt = stack.enter_context(tmpfs(tmp / "ro", size="1m"))
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        return mnt / "out", mnt, []
+    if case == "full file system, new parents":
+        mnt = stack.enter_context(tmpfs(tmp / "full", size="1m"))
+        fill(mnt)
+        return mnt / "new" / "deeper" / "out", mnt, []
+    if case == "mount point with --force":
+        mnt = stack.enter_context(tmpfs(tmp / "mnt", size="4m"))
+        (mnt / "mine.txt").write_text("keep")
+        return mnt, mnt, ["--force"]
+    if case == "under a regular file":
+        (tmp / "a-file").write_text("keep")
+        return tmp / "a-file" / "out", tmp, []
+    if case == "under a dangling link":
+        (tmp / "dangling").symlink_to(tmp / "nowhere")
+        return tmp / "dangling" / "out", tmp, []
+    if case == "under a link loop":
+        (tmp / "loop").symlink_to("loop")
+        return tmp / "loop" / "out", tmp, []
+    if case == "name too long":
+        return tmp / ("x" * 300), tmp, []
+    if case == "under /proc":
+        return Path("/proc/moc-export-out"), Path("/proc"), []
+    assert case == "under /sys"
+    return Path("/sys/moc-export-out"), Path("/sys"), []
+
+
+BAD_OUTS = ("read-only mount", "full file system, new parents", "mount point with --force",
+            "under a regular file", "under a dangling link", "under a link loop",
+            "name too long", "under /proc", "under /sys")
+
+
+@pytest.mark.parametrize("case", BAD_OUTS)
+def test_an_out_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(
+        tmp_path, capsys, case):
+    """Each printed a traceback (OSError from mkdir, writev or rename) and exited 1."""
+    root = tmp_path / "ckpt"
+    _checkpoints(root, 1, k=None, final=True)
+    (tmp_path / "bad").mkdir()
+    with contextlib.ExitStack() as stack:
+        out, watched, extra = _bad_out(case, tmp_path / "bad", stack)
+        before = sorted(os.listdir(watched))
+        assert main(["export", str(root), str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moc export: error: ") and err.count("\n") == 1, err
+        assert str(out)[:40] in err and "choose" in err.lower(), err
+        assert sorted(os.listdir(watched)) == before, "the failed export left something"
+        if case == "mount point with --force":
+            assert (out / "mine.txt").read_text() == "keep"
+
+
+def test_a_checkpoint_file_gone_while_exporting_is_the_sources_error_not_outs(tmp_path):
+    """A rank file deleted after the manifest was read (retention of a running job) is
+    reported as the checkpoint's problem, never as an OUT that cannot be written; the
+    temporary directory is removed."""
+    root = tmp_path / "ckpt"
+    _checkpoints(root, 1, k=None, final=True)
+    (step_dir(root, 1) / rank_file(0)).unlink()
+    with pytest.raises(CorruptCheckpointError, match="file is missing") as e:
+        moc.export(root, tmp_path / "out")
+    assert "cannot write the export" not in str(e.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
 def test_a_corrupt_tensor_fails_the_export_naming_its_file(tmp_path, capsys):
@@ -482,31 +555,42 @@ def test_a_model_only_reader_beside_a_running_two_level_job_leaves_its_memory_al
 # -- real parallel runs ------------------------------------------------------------------------
 
 
+def _readme_export_commands() -> list[str]:
+    """The shell lines of the README's Export section (its first bash block)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n## Export\n"):]
+    block = section[section.index("```bash\n") + len("```bash\n"):]
+    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
+
+
 @pytest.mark.integration
 def test_moc_train_with_ep2_exports_what_a_one_rank_restore_holds(tmp_path):
     """moc's own trainer, 2 ranks, EP=2, partial checkpoints: the final step exports
     (experts gathered from both ranks' files and older steps) into a fresh single-process
     model with a strict load, every tensor equal to a 1-rank resharding restore of the
-    same step."""
+    same step. The README's export commands, run as written, export it with its
+    config.json, and `load_exported` gives the restored model's logits."""
     root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     r = subprocess.run(
         [sys.executable, "-m", "moc", "train", "--nproc", "2", "--ep", "2", "--config",
          "tiny", "--steps", "12", "--ckpt-dir", str(root), "--ckpt-interval", "5",
          "--ckpt-mode", "pec", "--k-persist", "1"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     m = Manifest.load(root, 12)
     assert m.layout == {"world_size": 2, "ep": 2}
     assert {e.file for k, e in m.entries.items() if "/expert=" in k} == {
         rank_file(0), rank_file(1)}
     assert main(["export", str(root), str(tmp_path / "out10"), "--step", "10"]) == 2
-    assert main(["export", str(root), str(tmp_path / "out"), "--format", "safetensors"]) == 0
+    assert main(["export", str(root), str(tmp_path / "st"), "--format", "safetensors"]) == 0
+    from moc.model import load_exported
     from moc.train.config import PRESETS
 
     cfg = PRESETS["tiny"]["model"]
     exported = Transformer(cfg)
-    exported.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    exported.load_state_dict(load_file(tmp_path / "st" / "model.safetensors"), strict=True)
     restored = Transformer(cfg)
     report = moc.Checkpointer(restored, None, root, model_meta=cfg.to_dict()).restore()
     assert report.step == 12
@@ -514,6 +598,19 @@ def test_moc_train_with_ep2_exports_what_a_one_rank_restore_holds(tmp_path):
     assert not all(torch.equal(a, b) for a, b in
                    zip(exported.state_dict().values(), Transformer(cfg).state_dict().values(),
                        strict=True)), "nothing was trained"
+
+    commands = _readme_export_commands()
+    assert commands[0].startswith("moc export ckpt/ out/")
+    for line in commands:  # in the directory that holds ckpt/, as a user would
+        done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "moc"
+    loaded = load_exported(tmp_path / "out")
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx).logits_BTV, restored.eval()(idx).logits_BTV)
 
 
 def _mixtral(transformers: ModuleType) -> nn.Module:

@@ -111,7 +111,7 @@ def test_layers_follow_the_spec_order_not_the_model_order():
     model = _moc_model()
     spec = ExpertSpec.from_modules(model, ["layers.1.ffn.experts", "layers.0.ffn.experts"])
     recorder = RoutingRecorder(model, spec)
-    assert recorder.routers == {0: model.layers[1].ffn, 1: model.layers[0].ffn}
+    assert recorder.routers == {0: model.layers[1].ffn.router, 1: model.layers[0].ffn.router}
     _, counts = _moc_forward(model, 0)
     assert torch.equal(recorder.take(), counts.flip(0))
 
@@ -302,8 +302,8 @@ class Chooser(nn.Module):
 def test_a_model_whose_routers_cannot_be_found_is_a_clear_error():
     model = nn.Sequential(Chooser(), Chooser())
     with pytest.raises(ValueError, match=r"found a router for 0 of the 2 MoE layers.*"
-                                         r"experts of layer 0 \(experts 0.experts\).*"
-                                         r"routers=\{layer: module"):
+                                         r"experts of layer 0 \(block 0, experts 0.experts\)"
+                                         r".*routers=\{layer: module"):
         RoutingRecorder(model)
 
 
@@ -354,19 +354,58 @@ def test_a_router_whose_output_cannot_be_read_says_how_to_plug_it():
 
 
 class RouterBlock(Chooser):
-    """A block with a `router` child (as moc's MoE) that returns only its output."""
+    """A block with a `router` child (as moc's MoE) that returns only its output: its
+    router's logits are read, and it picks the top-1 (argmax)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.router = self.choose
 
 
-def test_a_block_with_a_router_but_no_counts_says_how_to_plug_it():
+def test_a_block_whose_router_returns_logits_is_counted_with_its_top_k():
+    torch.manual_seed(0)
     model = nn.Sequential(RouterBlock(), RouterBlock()).train()
-    RoutingRecorder(model)
-    with pytest.raises(TypeError, match=r"RouterBlock has a `router` but does not return "
-                                        r"its \(E,\) counts.*indices=fn"):
+    recorder = RoutingRecorder(model)
+    with pytest.raises(ValueError, match=r"Linear returns router logits but no top_k is "
+                                         r"known: pass watch_routing\(model, top_k=k\)"):
         model(torch.randn(2, 8))
+    recorder.remove()
+    recorder = RoutingRecorder(model, top_k=1)
+    x = torch.randn(6, 8)
+    model(x)
+    with torch.no_grad():
+        by_hand = torch.stack([
+            torch.bincount(model[0].choose(x).argmax(-1), minlength=4),
+            torch.bincount(model[1].choose(model[0](x)).argmax(-1), minlength=4)])
+    assert torch.equal(recorder.take(), by_hand)
+
+
+class IdsRouter(nn.Module):
+    """Routes every token to expert 0, as (logits, ids)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(len(x), dtype=torch.int64)
+
+
+class CountsAndIds(nn.Module):
+    """A block that returns (y, counts_E) and whose router returns ids: the block's
+    counts win (they are what it kept, as moc's MoE after capacity dropping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = IdsRouter()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router(x)
+        return self.experts[0](x), torch.tensor([2, 0, 0, 1])
+
+
+def test_a_block_returning_its_counts_last_is_read_before_its_router():
+    model = nn.Sequential(CountsAndIds()).train()
+    recorder = RoutingRecorder(model)
+    model(torch.randn(3, 8))
+    assert recorder.take().tolist() == [[2, 0, 0, 1]]  # not [[3, 0, 0, 0]]: the router's
 
 
 # -- the engine's side: one source of counts, no false warning ------------------------------
