@@ -3,8 +3,11 @@ depend on the working directory."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,65 @@ def test_simulate_finds_its_default_measurements_outside_the_repository(tmp_path
     r = subprocess.run([sys.executable, "-m", "moc", "simulate"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+class _Built(Exception):
+    """Raised in place of parsing: carries the parser a command's main() built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def _parser_of(main: Callable[[list[str]], int], monkeypatch: pytest.MonkeyPatch
+               ) -> argparse.ArgumentParser:
+    """The parser `main` builds for itself (the benchmarks and the worker build theirs
+    inside main): stopped at parse_args, before it runs anything."""
+    def stop(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise _Built(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", stop)
+        with pytest.raises(_Built) as built:
+            main([])
+    return built.value.parser
+
+
+def _every_parser(monkeypatch: pytest.MonkeyPatch) -> dict[str, argparse.ArgumentParser]:
+    from moc.train.__main__ import main as worker_main
+
+    top, commands = build_parser()
+    parsers = {"moc": top, **{f"moc {name}": p for name, p in commands.items()}}
+    for what in (*BENCHMARKS, "simulate"):  # `moc bench WHAT`, `moc simulate` parse again
+        module = f"moc.bench.{what}"
+        parsers[module] = _parser_of(importlib.import_module(module).main, monkeypatch)
+    parsers["moc.train"] = _parser_of(worker_main, monkeypatch)
+    return parsers
+
+
+def test_every_option_of_every_command_says_what_it_does(monkeypatch):
+    parsers = _every_parser(monkeypatch)
+    assert {"moc train", "moc.bench.size", "moc.bench.simulate", "moc.train"} <= set(parsers)
+    assert len(parsers) == 1 + len(build_parser()[1]) + len(BENCHMARKS) + 2
+    missing = [f"{prog} {'/'.join(a.option_strings) or a.dest}"
+               for prog, p in parsers.items() for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+               and a.nargs != argparse.REMAINDER  # `moc bench`'s pass-through
+               and not a.help]
+    assert not missing, f"options without help text: {missing}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", [["train"], ["inspect", "DIR"], ["verify", "DIR"],
+                                     ["export", "DIR", "OUT"], ["demo"], ["bench", "size"],
+                                     ["simulate"]], ids=" ".join)
+def test_an_unknown_option_gets_the_subcommands_usage_and_error(command, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "moc", *command, "--badflag"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    name = " ".join(c for c in command if c.islower())
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"usage: moc {name} "), r.stderr
+    assert r.stderr.rstrip().endswith(f"moc {name}: error: unrecognized arguments: "
+                                      "--badflag"), r.stderr
 
 
 def test_init_distributed_outside_torchrun_is_a_no_op(monkeypatch):

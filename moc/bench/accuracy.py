@@ -148,15 +148,17 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int = 10) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="small")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--config", default="small", help="model preset (default small)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks of each moc train run (default 2)")
+    p.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
     p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
     p.add_argument("--fault-every", type=int, default=100,
                    help="SIGKILL rank 1 at every multiple of this many steps")
     p.add_argument("--quick", action="store_true",
                    help="120 steps, a fault every 45, three runs: a spot check")
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS),
+                   help="which runs (default: all of them)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="loss curves with the faults marked")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")

@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1,
                    help="simulated nodes (moc train --nodes); with more than one, the "
                         "moc-peers strategy (peer replicas) runs beside moc (none)")
-    p.add_argument("--config", default="bench")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--config", default="bench", help="model preset (default bench)")
+    p.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
     p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
     p.add_argument("--quick", action="store_true", help="20 steps: under 5 minutes on 2 cores")
     p.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),

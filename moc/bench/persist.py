@@ -118,8 +118,10 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench persist", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="bench", choices=sorted(PRESETS))
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--config", default="bench", choices=sorted(PRESETS),
+                   help="model preset (default bench)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks of each moc train run (default 2)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     p.add_argument("--interval", type=int, default=2,
                    help="steps between checkpoints (default 2)")

@@ -207,7 +207,8 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="bench", choices=list(PRESETS))
+    p.add_argument("--config", default="bench", choices=list(PRESETS),
+                   help="model preset (default bench)")
     p.add_argument("--checkpoints", type=int, default=6,
                    help="checkpoints taken (the first reserves memory; default 6)")
     p.add_argument("--json", type=Path, help="also write the results here")

@@ -790,9 +790,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate", action="store_true",
                    help="instead: real tiny runs (2 ranks) with faults every F steps, the "
                         "model's prediction against the measured time (~2-3 minutes)")
-    p.add_argument("--validate-steps", type=int, default=VALIDATE_STEPS)
-    p.add_argument("--validate-interval", type=int, default=VALIDATE_INTERVAL)
-    p.add_argument("--validate-fault-every", type=int, default=VALIDATE_FAULT_EVERY)
+    p.add_argument("--validate-steps", type=int, default=VALIDATE_STEPS,
+                   help=f"--validate: steps per run (default {VALIDATE_STEPS})")
+    p.add_argument("--validate-interval", type=int, default=VALIDATE_INTERVAL,
+                   help=f"--validate: steps between checkpoints (default "
+                        f"{VALIDATE_INTERVAL})")
+    p.add_argument("--validate-fault-every", type=int, default=VALIDATE_FAULT_EVERY,
+                   help=f"--validate: a fault at every multiple of this many steps "
+                        f"(default {VALIDATE_FAULT_EVERY})")
     p.add_argument("--validate-repeat", type=int, default=1,
                    help="independent rounds of the validation (~100 s each)")
     p.add_argument("--workdir", type=Path, help="--validate: where the runs write "

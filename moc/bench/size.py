@@ -110,9 +110,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench size", description=__doc__)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks of each moc train run (default 2)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (moc train's default)")
-    p.add_argument("--config", default="bench", choices=sorted(PRESETS))
+    p.add_argument("--config", default="bench", choices=sorted(PRESETS),
+                   help="model preset (default bench)")
     p.add_argument("--steps", type=int, default=5, help="steps (= checkpoints) per strategy")
     p.add_argument("--k", type=int, nargs="+", default=[1, 2], help="partial K values")
     p.add_argument("--json", type=Path, help="also write the results here")

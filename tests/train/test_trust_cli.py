@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moc.train.metrics import read_events
+from tests.fs import tmpfs
 
 pytestmark = pytest.mark.integration  # real torchrun jobs
 
@@ -77,3 +78,33 @@ def test_memory_snapshots_of_a_killed_run_are_not_resumed_by_another_run(tmp_pat
     other = moc(*_train_args(ckpt, 10, "--ckpt-interval", "5", "--seed", "7"))
     assert other.returncode == 0, other.stderr[-2000:]
     assert "resumed from" not in other.stdout + other.stderr
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_any_worker_starts(tmp_path):
+    """It once warned, trained every step, failed every checkpoint and ended with the
+    final one failed (issue 29, item 13)."""
+    with tmpfs(tmp_path / "mnt", "64m") as mnt:
+        ckpt = mnt / "ckpt"
+        args = ["train", "--nproc", "1", "--config", "tiny", "--ckpt-dir", str(ckpt),
+                "--ckpt-interval", "2", "--ckpt-mode", "pec", "--no-progress"]
+        first = moc(*args, "--steps", "2")
+        assert first.returncode == 0, first.stderr[-2000:]
+        done = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here ({done.stderr.strip()})")
+        r = moc(*args, "--steps", "6")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0, r.stderr  # one line, from the launcher
+    assert r.stderr.startswith(f"moc train: error: checkpoint directory {ckpt} is not "
+                               "writable (Read-only file system"), r.stderr
+    assert "use a writable directory" in r.stderr and "step" not in r.stdout
+
+
+def test_k_snapshot_beyond_the_experts_is_refused_like_k_persist():
+    """`--k-snapshot 9` with 4 experts once ran, silently as 'all' (issue 29, item 14)."""
+    r = moc("train", "--nproc", "1", "--config", "tiny", "--steps", "2", "--k-snapshot", "9")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert "--k-snapshot 9 is more than the 4 experts per MoE layer of --config tiny; use " \
+        "at most 4, 'all' or 'auto'" in r.stderr

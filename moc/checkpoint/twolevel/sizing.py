@@ -18,11 +18,18 @@ from moc.checkpoint.twolevel.slots import SnapshotHeader
 
 
 def parse_k_snapshot(k_snapshot: int | str | None, n_experts: int) -> tuple[int, bool]:
-    """(K_snapshot to start with, whether `auto` sizes it later) for the user's value."""
+    """(K_snapshot to start with, whether `auto` sizes it later) for the user's value.
+
+    More experts than a layer has is refused, as `PECPolicy(k=...)` refuses it, rather
+    than quietly read as 'all': a number above N is a mistake about the model (another
+    config, the experts of all layers counted), and the user should hear of it."""
     if k_snapshot in (None, "all", "auto"):
         return n_experts, k_snapshot == "auto"
     if isinstance(k_snapshot, int) and not isinstance(k_snapshot, bool) and k_snapshot >= 1:
-        return min(k_snapshot, n_experts), False
+        if k_snapshot > n_experts:
+            raise ValueError(f"k_snapshot={k_snapshot} is more than the {n_experts} experts "
+                             f"per MoE layer; use k_snapshot <= {n_experts}, 'all' or 'auto'")
+        return k_snapshot, False
     raise ValueError(f"k_snapshot must be an integer >= 1, 'all' or 'auto', "
                      f"got {k_snapshot!r}")
 

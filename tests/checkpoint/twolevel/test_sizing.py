@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot, snapshot_experts
 from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader
@@ -83,9 +84,30 @@ def test_a_snapshot_holds_its_rotation_plus_what_it_persists():
 
 @pytest.mark.parametrize(("value", "expected"), [
     (None, (N, False)), ("all", (N, False)), ("auto", (N, True)), (3, (3, False)),
-    (99, (N, False))])
+    (N, (N, False))])
 def test_k_snapshot_values(value, expected):
     assert parse_k_snapshot(value, N) == expected
+
+
+@pytest.mark.parametrize("value", [N + 1, 99])
+def test_k_snapshot_beyond_the_experts_is_refused_not_clamped(value):
+    """As PECPolicy(k=...) is: a K above N is a mistake about the model, once quietly
+    read as 'all' (issue 29, item 14)."""
+    with pytest.raises(ValueError, match=f"k_snapshot={value} is more than the {N} experts "
+                                         f"per MoE layer; use k_snapshot <= {N}"):
+        parse_k_snapshot(value, N)
+
+
+def test_a_two_level_engine_refuses_k_snapshot_beyond_the_experts(tmp_path, monkeypatch):
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+    from moc.model import ModelConfig, Transformer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    model = Transformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32,
+                                    n_experts=4))
+    with pytest.raises(ValueError, match="k_snapshot=9 is more than the 4 experts"):
+        TwoLevelCheckpointer(model, torch.optim.AdamW(model.parameters()), tmp_path / "ckpt",
+                             k_snapshot=9)
 
 
 @pytest.mark.parametrize("value", [0, -1, "some", 2.5, True])
