@@ -5,6 +5,10 @@
 2. `moc.topology` imports nothing else of moc: everyone may import it.
 3. No module imports another module's `_private` name, nor reaches into one through an
    imported module (`module._name`).
+4. Nothing of moc unpickles (docs/THREAT_MODEL.md): no `*_object` collective of
+   torch.distributed (they pickle and unpickle), no `pickle.load`/`loads`, no `torch.load`
+   without `weights_only=True`. A collective of the trainer's used `all_gather_object`
+   (issue 29).
 
 The checks read the source with `ast` (imports inside functions included), so they hold
 for code that no test happens to execute.
@@ -89,11 +93,39 @@ def check_source(module: str, source: str, where: str) -> list[Violation]:
     return out
 
 
+UNPICKLING = {"all_gather_object", "broadcast_object_list", "gather_object",
+              "scatter_object_list", "send_object_list", "recv_object_list"}
+"""Collectives that pickle and unpickle what a peer sends. `pickle.load(s)` and
+`torch.load` (allowed with `weights_only=True`) are checked by their owner."""
+
+
+def check_unpickling(source: str, where: str) -> list[Violation]:
+    """Every call of `source` that may unpickle (rule 4)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        owner = func.value.id if (isinstance(func, ast.Attribute)
+                                  and isinstance(func.value, ast.Name)) else ""
+        safe_load = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
+                        and k.value.value is True for k in node.keywords)
+        if name in UNPICKLING or (owner == "pickle" and name in ("load", "loads")) or (
+                owner == "torch" and name == "load" and not safe_load):
+            out.append(Violation(f"{where}:{node.lineno}", f"calls {owner or '?'}.{name}, "
+                                 "which unpickles: send data with moc.checkpoint.codec "
+                                 "(Dist) and tensors by tensor collectives"))
+    return out
+
+
 def check_package() -> list[Violation]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        out += check_source(module_name(path), path.read_text(), str(path.relative_to(
-            PACKAGE.parent)))
+        where = str(path.relative_to(PACKAGE.parent))
+        source = path.read_text()
+        out += check_source(module_name(path), source, where)
+        out += check_unpickling(source, where)
     return out
 
 
@@ -124,6 +156,11 @@ def test_the_checker_flags_what_it_forbids():
     }
     for module, source in fine.items():
         assert not check_source(module, source, module), (module, source)
+    for source in ("dist.all_gather_object(out, mine, group=g)", "pickle.loads(data)",
+                   "torch.load(path)", "x = torch.load(path, weights_only=False)"):
+        assert check_unpickling(source, "m"), source
+    assert not check_unpickling("torch.load(path, map_location='cpu', weights_only=True)",
+                                "m")
 
 
 def test_expert_spec_recognises_a_model_it_never_imported_by_its_structure():

@@ -410,14 +410,20 @@ class DCPCheckpointer(CheckpointEngine):
 
     # -- recovery --------------------------------------------------------------------------
 
-    def restore(self) -> RecoveryReport | None:
+    def restore(self, step: int | None = None) -> RecoveryReport | None:
         """Load the newest complete step (one with `.metadata`) every rank can read; None
         if there is none. Collective. DCP stores no checksums: a step is corrupt only when
-        its metadata or files cannot be read, never because a byte flipped."""
+        its metadata or files cannot be read, never because a byte flipped. `step`: that
+        step only (a baseline: newer steps are left where they are)."""
         t0 = time.perf_counter()
         p = self.parts
         self.flush()
         steps = p.dist.broadcast(list(reversed(complete_dcp_steps(self.root))))
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"cannot restore step {step}: {self.root} holds no "
+                                 f"complete DCP checkpoint of it")
+            steps = [step]
         meta, skipped = restore_loop(steps, lambda step: load_step(self.root, step, p),
                                      p.dist, skip=DCP_ERRORS,
                                      label=lambda step: f"DCP checkpoint step {step}")

@@ -230,9 +230,15 @@ class CheckpointEngine(Protocol):
     """Steps between checkpoints (`maybe_save`)."""
 
     @abstractmethod
-    def restore(self) -> RecoveryReport | None:
+    def restore(self, step: int | None = None) -> RecoveryReport | None:
         """Load the newest checkpoint every rank can restore into the model and the
-        optimizer; None when there is none. Finishes any checkpoint in flight first."""
+        optimizer; None when there is none. Finishes any checkpoint in flight first.
+
+        `step`: roll back to that step instead (it must be a complete checkpoint on
+        storage, ValueError otherwise): the run continues from it, and a training engine
+        sets every newer step aside (`step-N.rolledback`), so that no later save
+        replaces a step they read. Without it, the saves of an engine must be after the
+        directory's newest step: restore() first, or the save is refused."""
 
     @abstractmethod
     def record_routing(self, counts: torch.Tensor) -> None:

@@ -45,11 +45,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from moc.checkpoint.errors import CheckpointError, IncompatibleCheckpointError
-from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from moc.checkpoint.recovery import CheckpointReader, line_problems
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import ITEM_SIZES, write_safetensors
+from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, fsync_dir
 
@@ -488,6 +493,9 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Path.resolve)
         raise ValueError(_unwritable(out, e, None)) from e
     manifest = Manifest.load(root, step)
+    problems = line_problems(root, manifest, read_run_id(root))
+    if problems:  # another run's step, or one that mixes two lines: never a model
+        raise CorruptCheckpointError(f"{root}/step-{step:08d}: {problems[0]}")
     plan = state_dict_plan(manifest)
     ages = expert_ages(manifest)
     if any(a for row in ages.values() for a in row) and not allow_partial:

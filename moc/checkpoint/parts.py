@@ -19,6 +19,7 @@ from torch import nn
 from moc.checkpoint.dist import Dist, RankError, raise_failures
 from moc.checkpoint.export import model_config_of
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, FailurePolicy
+from moc.checkpoint.lineage import Lineage, SaveOrder, segment_id
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger
@@ -33,6 +34,7 @@ from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.identity import ensure_run_id, read_run_id
 from moc.checkpoint.store.lock import DirectoryLock
 from moc.checkpoint.store.retention import BackgroundRetention
+from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.tidy import WriteTidy
 from moc.topology import ParallelGroups
 
@@ -65,19 +67,35 @@ class EngineParts:
     tidy: WriteTidy | None
     """Rank 0's deferred clean-up of the directory, done at the first save (None elsewhere,
     and for a model-only engine, which never writes)."""
+    order: SaveOrder
+    """This engine's line: the lineage its checkpoints record, and the steps it may still
+    save (the directory's newest step, until a restore says where the line continues)."""
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """What this engine's checkpoints record about their run (`Manifest.run`)."""
+        return self.order.run(self.run_id)
+
+    def restored(self, step: int | None, lineage: Lineage) -> None:
+        """This engine restored `step` (None: nothing) written by `lineage`: its line
+        continues from there, as a new segment whose id rank 0 chose. Collective."""
+        self.order.restored(step, lineage, self.dist.broadcast(segment_id()))
 
     @property
     def model_only(self) -> bool:
         """Built with `optimizer=None`: restores the model for inference, never saves."""
         return isinstance(self.state.optimizer, NoOptimizer)
 
-    def check_can_save(self) -> None:
-        """ValueError for a save of a model-only engine (before anything is written)."""
+    def check_save(self, step: int) -> None:
+        """ValueError, before anything is written, for a save this engine must not make:
+        any save of a model-only engine, and a step that is not after the newest one of
+        the directory or of this line (`SaveOrder.check`)."""
         if self.model_only:
             raise ValueError(
                 "this engine was built with optimizer=None (model-only: restore for "
                 "inference) and cannot save a training checkpoint, which must hold the "
                 "optimizer state; pass the optimizer to save checkpoints")
+        self.order.check(step, self.root)
 
     @classmethod
     def build(cls, model: nn.Module, optimizer: object, directory: str | Path, *,
@@ -103,7 +121,7 @@ class EngineParts:
         state = RankState(model, as_optimizer_state(optimizer, model), spec, groups.rank)
         root = open_root(directory)  # a Path, or an ObjectPath for a URL
         dist = Dist(groups)
-        lock, run_id, failed = None, None, None
+        lock, run_id, newest, failed = None, None, None, None
         writes = optimizer is not None
         if groups.rank == 0:
             try:
@@ -111,12 +129,15 @@ class EngineParts:
                 # it writes the holder into the directory), no new run id.
                 lock = DirectoryLock.acquire(root) if writes else None
                 run_id = ensure_run_id(root) if writes else read_run_id(root)
+                steps = complete_steps(root) if writes else []
+                newest = steps[-1] if steps else None
             except Exception as e:  # every rank raises it, none is left waiting
                 failed = e
                 if lock is not None:
                     lock.release()
-        run_id, error = dist.broadcast(
-            (run_id, RankError.of(0, failed) if failed is not None else None))
+        run_id, newest, segment, error = dist.broadcast(
+            (run_id, newest, segment_id(), RankError.of(0, failed) if failed is not None
+             else None))
         if failed is not None:
             raise failed
         if error is not None:
@@ -132,7 +153,8 @@ class EngineParts:
             retention=(BackgroundRetention(root, keep_last)
                        if keep_last is not None and groups.rank == 0 and writes else None),
             lock=lock, run_id=run_id, failures=failures,
-            tidy=WriteTidy(root) if groups.rank == 0 and writes else None)
+            tidy=WriteTidy(root) if groups.rank == 0 and writes else None,
+            order=SaveOrder(newest, segment))
 
     @property
     def layout(self) -> dict[str, int]:

@@ -27,7 +27,12 @@ import torch
 
 from moc.checkpoint.api import RecoveryReport
 from moc.checkpoint.dist import Dist, RankError, describe, raise_failures
-from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
@@ -35,10 +40,15 @@ from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import TensorReader
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import (
+    MANIFEST,
+    ROLLED_BACK_SUFFIX,
+    SUPERSEDED,
     checked_step_dir,
     complete_steps,
     interrupted_commits,
     put_back_replaced,
+    set_aside,
+    step_dir,
 )
 from moc.checkpoint.store.tidy import WriteTidy
 
@@ -178,40 +188,140 @@ def warn_interrupted_commits(root: Path, repair: bool) -> None:
                     "puts it back (or rename it to %s)", d, d.name.removesuffix(".replaced"))
 
 
-def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any]
+def restore_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any],
+                         run_id: str | None = None, step: int | None = None
                          ) -> StorageRestore | None:
-    """Load the newest step every rank can read intact; None when there is none.
-    Raises CorruptCheckpointError when there are steps but every one is corrupt.
+    """Load the newest step every rank can read intact (`step`: that step alone); None
+    when there is none. Raises CorruptCheckpointError when there are steps but every one
+    is corrupt (or `step` is), ValueError when `step` is not a complete step.
 
     The candidates are the complete steps as rank 0 lists them: every rank must try the
-    same steps in the same order, even where a shared file system shows stale lists.
+    same steps in the same order, even where a shared file system shows stale lists. A
+    step of another run than `run_id` (the directory's: a step copied in from another
+    run's directory) is skipped as corrupt, and the next save sets it aside.
     """
     t0 = time.perf_counter()
     steps = dist.broadcast(list(reversed(complete_steps(root))))
+    if step is not None:
+        if step not in steps:
+            raise ValueError(f"cannot restore step {step}: {root} holds no complete "
+                             f"checkpoint of it (complete steps: {describe_steps(steps)})")
+        steps = [step]
 
-    def attempt(step: int) -> Manifest:
-        manifest = Manifest.load(root, step)
-        manifest.check_model(model_meta, f"checkpoint {root}/step-{step:08d}")
+    def attempt(candidate: int) -> Manifest:
+        manifest = Manifest.load(root, candidate)
+        source = f"checkpoint {root}/step-{candidate:08d}"
+        manifest.check_model(model_meta, source)
+        check_run(manifest, run_id, source)
         state.load(CheckpointReader(root, manifest))
         return manifest
 
     manifest, skipped = restore_loop(steps, attempt, dist,
-                                     label=lambda step: f"checkpoint step {step}")
-    reasons = [f"step {step}: {reason}" for step, reason in skipped]
+                                     label=lambda s: f"checkpoint step {s}")
+    reasons = [f"step {s}: {reason}" for s, reason in skipped]
     if manifest is None:
         if skipped:
             raise CorruptCheckpointError(
                 f"{root}: no intact checkpoint; every step failed: {'; '.join(reasons)}")
         return None
     return StorageRestore(manifest, time.perf_counter() - t0, reasons,
-                          [step for step, _ in skipped])
+                          [s for s, _ in skipped])
+
+
+def check_run(manifest: Manifest, run_id: str | None, source: str) -> None:
+    """CorruptCheckpointError for a step of another run than `run_id` (None: the
+    directory names none; a manifest written before version 5 names none either)."""
+    if run_id is not None and manifest.run_id is not None and manifest.run_id != run_id:
+        raise CorruptCheckpointError(
+            f"{source} belongs to run {manifest.run_id!r}, this directory to run "
+            f"{run_id!r} (moc-run.json): a step copied in from another run's directory is "
+            "never restored; restore it from its own directory")
+
+
+def line_problems(root: Path | ObjectPath, manifest: Manifest, run_id: str | None,
+                  known: dict[int, Manifest] | None = None) -> list[str]:
+    """Why `manifest`'s step is not one line of this directory's run, if it is not: a
+    step of another run (`check_run`), or one that reads files of older steps that are
+    not its ancestors (another job resumed the directory along another line: restoring
+    it would mix two models). Manifests written before lineages were recorded (version
+    4 and older) have nothing to check. `known`: manifests already read, by step."""
+    try:
+        check_run(manifest, run_id, f"step {manifest.step}")
+    except CorruptCheckpointError as e:
+        return [str(e)]
+    line, problems = manifest.lineage, []
+    if not line.segments:
+        return []
+    for older in sorted({e.step for e in manifest.entries.values()} - {manifest.step}):
+        held = (known or {}).get(older) or _any_manifest(root, older)
+        if held is None or not held.lineage.segments:
+            continue  # cannot be told; its files' checksums are still checked
+        if not line.descends_from(manifest.step, held.lineage, older):
+            problems.append(f"step {manifest.step} reads files of step {older}, which "
+                            "belongs to another line of training (another job resumed "
+                            "this directory): restoring it would mix two models")
+    return problems
+
+
+def _any_manifest(root: Path | ObjectPath, step: int) -> Manifest | None:
+    """`step`'s manifest, or the one retention kept beside a step it keeps as data only
+    (SUPERSEDED), read for its lineage; None when there is none or it does not parse."""
+    for name in (MANIFEST, SUPERSEDED):
+        path = step_dir(root, step) / name
+        try:
+            return Manifest.decode(path.read_bytes(), path, step)
+        except (OSError, CheckpointError):
+            continue
+    return None
+
+
+def describe_steps(steps: list[int]) -> str:
+    """A list of steps for a message: all of them when few, else the ends."""
+    ordered = sorted(steps)
+    if not ordered:
+        return "none"
+    if len(ordered) <= 8:
+        return ", ".join(map(str, ordered))
+    return f"{', '.join(map(str, ordered[:3]))}, ..., {', '.join(map(str, ordered[-3:]))}"
+
+
+def roll_back(root: Path, step: int, dist: Dist, tidy: WriteTidy | None) -> list[int]:
+    """After `step` was restored on request (`restore(step=...)`): rank 0 of a writing
+    engine (`tidy` given) sets every complete step newer than it aside, newest first,
+    so that the line continues from `step` and no save replaces a step that newer ones
+    read (each moment of it leaves a directory whose newest steps are a consistent
+    line). The steps set aside, on every rank; CheckpointError on every rank when rank 0
+    could not (saving would then damage them). A reader sets nothing aside. Collective."""
+    done, error = [], None
+    if dist.rank == 0 and tidy is not None:
+        try:
+            for newer in sorted((s for s in complete_steps(root) if s > step), reverse=True):
+                set_aside(root, newer, f"rolled back: a run restored step {step} and "
+                          "continues from there", suffix=ROLLED_BACK_SUFFIX)
+                done.append(newer)
+        except OSError as e:
+            error = (f"rolled back to step {step}, but could not set the newer steps of "
+                     f"{root} aside ({e}); saving from step {step} would replace steps "
+                     "they depend on: make the directory writable and restore again")
+    done, error = dist.broadcast((done, error))
+    if error is not None:
+        raise CheckpointError(error)
+    if done:
+        log.warning("rolled back to step %d: set aside steps %s as step-N%s", step,
+                    describe_steps(done), ROLLED_BACK_SUFFIX)
+    return done
 
 
 def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: dict[str, Any],
                         chain: ChainState, ledger: TokenLedger, tidy: WriteTidy | None = None,
-                        *, commits_checked: bool = False) -> RecoveryReport | None:
-    """Restore the newest intact step on storage and continue its chain: the chain
-    continues from the manifest restored, and the ledger accounts what the recovery lost
+                        *, restored: Callable[[int | None, Lineage], None] | None = None,
+                        run_id: str | None = None,
+                        step: int | None = None, commits_checked: bool = False
+                        ) -> RecoveryReport | None:
+    """Restore the newest intact step on storage (`step`: that one, rolling back to it:
+    `roll_back`) and continue its chain: the chain continues from the manifest restored,
+    the line (`restored`, `EngineParts.restored`) from its lineage, and the ledger
+    accounts what the recovery lost
     (every expert came back from its newest persisted copy). Collective.
 
     Reading changes nothing in the directory (`tidy`, rank 0's, sets corrupt steps aside
@@ -222,9 +332,15 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
     if dist.rank == 0 and not commits_checked:
         warn_interrupted_commits(root, repair=tidy is not None)
     dist.barrier()
-    result = restore_from_storage(root, state, dist, model_meta)
+    result = restore_from_storage(root, state, dist, model_meta, run_id, step)
     if result is None:
+        if restored is not None:
+            restored(None, Lineage.unknown())
         return None
+    if step is not None:
+        roll_back(root, step, dist, tidy)
+    if restored is not None:
+        restored(result.step, result.manifest.lineage)
     if tidy is not None:
         tidy.note_restore(dict(zip(result.skipped_steps, result.skipped, strict=True)))
     manifest = result.manifest

@@ -129,7 +129,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         self.placement = placement if placement is not None else ShardedPlacement()
         self._done: list[CheckpointResult] = []
         self._retention_error: str | None = None
-        self._final = False  # whether the newest committed checkpoint was a final one
+        self._saved = False  # whether this engine committed a checkpoint (since it was built)
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -164,13 +164,14 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         g, dist, chain, ledger = parts.groups, parts.dist, parts.chain, parts.ledger
         invalid = None
         try:
-            parts.check_can_save()
             extra_state = checked_save(step, extra_state)
+            parts.check_save(step)
         except ValueError as e:
             invalid = e
         failures = dist.agree(invalid)  # a rank's bad loop state stops every rank
         if failures:
             raise ValueError(describe(failures, g.world_size))
+        parts.order.saved(step)
         pending = ledger.take_pending()
         ledger.add_synced(dist.all_reduce_(pending))
         ledger.warn_if_untracked(step, g.rank)
@@ -203,7 +204,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         self._done.append(CheckpointResult(
             step, parts.mode, ledger.k, [[] for _ in written] if errors else written,
             time.perf_counter() - t0, bytes_per_rank=bytes_per_rank, error=errors or None))
-        self._final = final and not errors
+        self._saved = self._saved or not errors
         fatal = parts.failures.check(step, errors or None, final)
         if not errors and parts.retention is not None:
             try:
@@ -246,7 +247,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
                 files[rank_file(rank)] = rank_bytes
         template = chain.template(step, mode=parts.mode, layout=parts.layout,
                                   model_meta=parts.model_meta, extra=extra_state,
-                                  written=written, ledger=parts.ledger)
+                                  written=written, ledger=parts.ledger, run=parts.run)
         manifest = Manifest(entries=entries, files=files, **template)
         error = None
         if g.rank == 0:
@@ -262,12 +263,13 @@ class Checkpointer(EngineRouting, CheckpointEngine):
 
     # -- recovery --------------------------------------------------------------------------
 
-    def restore(self) -> RecoveryReport | None:
+    def restore(self, step: int | None = None) -> RecoveryReport | None:
         """Load the newest intact checkpoint into the model and optimizer; None if the
-        directory holds none. Collective."""
+        directory holds none. `step`: roll back to that step (see
+        `CheckpointEngine.restore`). Collective."""
         p = self.parts
         return resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain, p.ledger,
-                                   p.tidy)
+                                   p.tidy, restored=p.restored, run_id=p.run_id, step=step)
 
     def close(self) -> None:
         """Finish background work (retention) and raise any error it met, on every
@@ -281,9 +283,12 @@ class Checkpointer(EngineRouting, CheckpointEngine):
                 p.retention.close()
         finally:
             p.release()
-        if (not self._final and p.chain.manifest is not None and p.ledger.k < p.spec.n_experts
-                and p.groups.rank == 0 and not p.model_only):
+        # Only about what this engine wrote: a restore-only engine has nothing to say about
+        # a step it did not write (and a complete one restored is complete).
+        m = p.chain.manifest
+        if (self._saved and m is not None and p.groups.rank == 0
+                and not bool((p.chain.saved_at >= m.step).all())):
             log.warning("the newest checkpoint (step %d) is partial (K=%d of %d experts "
                         "per layer); pass final=True to the last save for a complete one",
-                        p.chain.manifest.step, p.ledger.k, p.spec.n_experts)
+                        m.step, p.ledger.k, p.spec.n_experts)
         raise_failures(failures, p.groups.world_size)

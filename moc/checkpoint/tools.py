@@ -23,9 +23,10 @@ from moc.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.recovery import CheckpointReader, line_problems
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.identity import RUN_FILE, read_run_id
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
 
@@ -240,7 +241,8 @@ class VerifyReport:
     """Path relative to `root` -> reasons, in the order found."""
     damaged_steps: list[int] = field(default_factory=list)
     """Complete steps recovery could not restore: the manifest is unreadable, or a key
-    it needs fails to read (possibly from an older step's file, via a partial chain)."""
+    it needs fails to read (possibly from an older step's file, via a partial chain), or
+    the step is another run's, or it reads files of another line of training."""
 
     @property
     def ok(self) -> bool:
@@ -259,10 +261,12 @@ class VerifyReport:
 def verify_checkpoints(root: str | Path) -> VerifyReport:
     """Re-check every byte every complete step of `root` depends on.
 
-    For every manifest: each file it lists must exist with the recorded size, and each
-    key it names (in whichever step's directory holds it) must read back with its
-    recorded CRC32 and shape. Problems are collected by file rather than raised, so one
-    run lists everything that is wrong. Raises ValueError when `root` is missing or
+    For every manifest: it must be of the directory's run (`moc-run.json`), every older
+    step whose files it reads must be of its own line of training (its lineage), each
+    file it lists must exist with the recorded size, and each key it names (in whichever
+    step's directory holds it) must read back with its recorded checksum and shape.
+    Problems are collected by file rather than raised, so one run lists everything that
+    is wrong. Raises ValueError when `root` is missing or
     holds no complete step.
     """
     root = open_root(root)
@@ -272,7 +276,14 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     key_ok: dict[tuple[Path, str], bool] = {}
     missing: dict[Path, set[str]] = defaultdict(set)
     files: set[Path] = set()
-    for step in _steps_of(root):
+    steps = _steps_of(root)
+    try:
+        run_id = read_run_id(root)
+    except CheckpointError as e:
+        report.flag(root / RUN_FILE, _strip_path(str(e), root / RUN_FILE))
+        run_id = None
+    manifests: dict[int, Manifest] = {}
+    for step in steps:
         manifest_path = step_dir(root, step) / MANIFEST
         try:
             manifest = Manifest.load(root, step)
@@ -280,7 +291,10 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
             report.flag(manifest_path, _strip_path(str(e), manifest_path))
             report.damaged_steps.append(step)
             continue
+        manifests[step] = manifest
         report.steps.append(step)
+        if not _same_line(root, manifest, run_id, manifests, report):
+            report.damaged_steps.append(step)
         for name, size in manifest.files.items():
             path = step_dir(root, step) / name
             files.add(path)
@@ -306,6 +320,16 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     report.files = len(files)
     report.damaged_steps.sort()
     return report
+
+
+def _same_line(root: Path | ObjectPath, manifest: Manifest, run_id: str | None,
+               manifests: dict[int, Manifest], report: VerifyReport) -> bool:
+    """Whether `manifest`'s step is of the directory's run and of one line of training
+    (`recovery.line_problems`); what is not is flagged on its manifest."""
+    problems = line_problems(root, manifest, run_id, manifests)
+    for problem in problems:
+        report.flag(step_dir(root, manifest.step) / MANIFEST, problem)
+    return not problems
 
 
 def _verify_key(reader: CheckpointReader, key: str, path: Path, shape: tuple[int, ...],

@@ -120,10 +120,13 @@ class ChainState:
 
     def template(self, step: int, *, mode: str, layout: dict[str, int],
                  model_meta: dict[str, Any], extra: dict[str, Any] | None,
-                 written: list[list[int]], ledger: TokenLedger) -> dict[str, Any]:
+                 written: list[list[int]], ledger: TokenLedger,
+                 run: dict[str, Any] | None = None) -> dict[str, Any]:
         """Every field of `step`'s manifest but its entries and files: what the
-        checkpoint says about itself, the same whichever engine commits it."""
+        checkpoint says about itself, the same whichever engine commits it. `run`: the
+        run id and the lineage of the line that writes it (`SaveOrder.run`)."""
         return {
+            "run": run or {},
             "step": step, "mode": mode, "layout": dict(layout), "model": model_meta,
             "extra": extra or {},
             "experts": {"n_experts": self.spec.n_experts,

@@ -12,6 +12,7 @@ path) belong to another run, even when their model and layout match.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import complete_steps
 
 RUN_FILE = "moc-run.json"
 
@@ -43,12 +46,15 @@ def read_run_id(root: Path) -> str | None:
 
 def ensure_run_id(root: Path) -> str | None:
     """The directory's run id, created (atomically) when it has none; None when the
-    directory is not writable and has none."""
+    directory is not writable and has none. A directory without one that holds steps
+    (copied in from another run's directory, with their chain) takes the run id its
+    newest step records: those steps are that run's, and a new id would make every one
+    of them foreign to the directory they were copied into."""
     root = open_root(root)
     existing = read_run_id(root)
     if existing is not None:
         return existing
-    run_id = secrets.token_hex(8)
+    run_id = _newest_step_run_id(root) or secrets.token_hex(8)
     if isinstance(root, ObjectPath):  # created only if absent (a conditional put on s3)
         created = (root / RUN_FILE).create_exclusive(
             (json.dumps({"run_id": run_id}) + "\n").encode())
@@ -62,5 +68,18 @@ def ensure_run_id(root: Path) -> str | None:
     except OSError:
         return None  # read-only: nothing is written here, no snapshot will be either
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only mount refuses even this
+            tmp.unlink(missing_ok=True)
     return run_id
+
+
+def _newest_step_run_id(root: Path | ObjectPath) -> str | None:
+    """The run id the newest complete step records; None when there is none or it
+    cannot be read (then it is not adopted)."""
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    try:
+        return Manifest.load(root, steps[-1]).run_id
+    except (CheckpointError, OSError):
+        return None

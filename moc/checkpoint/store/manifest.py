@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import (
     BITS,
@@ -35,15 +36,19 @@ from moc.checkpoint.store.steps import (
 )
 
 FORMAT_NAME = "moc-checkpoint"
-FORMAT_VERSION = 4
-"""Version 4: an entry's checksum is a 64-bit XXH3 ("xxh3") over bytes, dtype and shape
-(format.checksum), or, for a tensor an older step wrote and this one inherits, that
-step's CRC32C ("crc32c", version 3) or CRC32 ("crc32", version 2), kept as it was."""
-READABLE_VERSIONS = (1, 2, 3, 4)
-"""Version 3: "crc32c" (CRC32C) or an inherited "crc32". Version 2: every entry's
-"crc32", zlib's CRC32 over bytes, dtype and shape. Version 1: "crc32" of the bytes
-alone, converted to version 2's meaning on load."""
-ENTRY_ALGORITHMS = {4: (XXH3, CRC32C, CRC32), 3: (CRC32C, CRC32), 2: (CRC32,), 1: (CRC32,)}
+FORMAT_VERSION = 5
+"""Version 5: the manifest records its run and lineage (`run`: the directory's run id and
+the line of training that wrote it, `moc.checkpoint.lineage`). Entries are version 4's:
+a 64-bit XXH3 ("xxh3") over bytes, dtype and shape (format.checksum), or, for a tensor
+an older step wrote and this one inherits, that step's CRC32C ("crc32c", version 3) or
+CRC32 ("crc32", version 2), kept as it was."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+"""Version 4: as 5 without `run` (its lineage is unknown). Version 3: "crc32c" (CRC32C)
+or an inherited "crc32". Version 2: every entry's "crc32", zlib's CRC32 over bytes,
+dtype and shape. Version 1: "crc32" of the bytes alone, converted to version 2's meaning
+on load."""
+ENTRY_ALGORITHMS = {5: (XXH3, CRC32C, CRC32), 4: (XXH3, CRC32C, CRC32), 3: (CRC32C, CRC32),
+                    2: (CRC32,), 1: (CRC32,)}
 """The checksum fields an entry of each version may have (exactly one)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """A manifest lists keys, not tensors: a model of a million keys needs a few hundred MB.
@@ -109,7 +114,21 @@ class Manifest:
     model_config: dict[str, Any] = field(default_factory=dict)
     """The model's own configuration (a transformers `config.to_dict()`), when it has one:
     what `moc export` writes as config.json. Informational; restore never compares it."""
+    run: dict[str, Any] = field(default_factory=dict)
+    """{"id": the directory's run id, "line": the lineage of the training that wrote this
+    step (`moc.checkpoint.lineage`)}; {} in a manifest older than version 5."""
     version: int = FORMAT_VERSION
+
+    @property
+    def lineage(self) -> Lineage:
+        """The line of training this step belongs to (unknown before version 5)."""
+        if not self.run:
+            return Lineage.unknown()
+        return Lineage.from_json(self.run["line"], "run.line")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.get("id")
 
     def to_json(self) -> str:
         """Compact JSON (`python -m json.tool` shows it indented): written once per
@@ -118,10 +137,11 @@ class Manifest:
         one, runs for `indent`)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["entries"] = {k: e.to_dict() for k, e in self.entries.items()}
-        if not d["model_config"]:
-            # Absent rather than empty: a manifest without it stays readable by releases
-            # that refuse unknown fields (0.3.0).
-            del d["model_config"]
+        for name in ("model_config", "run"):
+            if not d[name]:
+                # Absent rather than empty: a manifest without it stays readable by
+                # releases that refuse unknown fields (0.3.0).
+                del d[name]
         d = {"format": FORMAT_NAME, **d}
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
@@ -261,7 +281,7 @@ class _Malformed(ValueError):
 
 
 FIELDS = {"format", "version", "step", "mode", "layout", "model", "entries", "files",
-          "extra", "experts", "policy", "experts_saved", "tokens", "model_config"}
+          "extra", "experts", "policy", "experts_saved", "tokens", "model_config", "run"}
 ENTRY_FIELDS = {"step", "file", "dtype", "shape"}
 """And one checksum field, named after its algorithm (`ENTRY_ALGORITHMS`)."""
 POLICY_TYPES: dict[str, tuple[type, ...]] = {
@@ -348,10 +368,29 @@ def _parse(d: dict[str, Any], version: int, known: dict[str, Entry]) -> Manifest
         _int_table(tokens["at_save"], rows, cols, "tokens.at_save")
         _int_table([tokens["lost"]], 1, rows, "tokens.lost")
     model_config = _dict(d.get("model_config", {}), "model_config")
+    run = _run(_dict(d.get("run", {}), "run"), version)
     return Manifest(step=step, mode=d["mode"], layout=layout, model=model, entries=entries,
                     files=files, extra=extra, experts=experts, policy=policy,
                     experts_saved=experts_saved, tokens=tokens, model_config=model_config,
-                    version=FORMAT_VERSION)
+                    run=run, version=FORMAT_VERSION)
+
+
+def _run(d: dict[str, Any], version: int) -> dict[str, Any]:
+    """The `run` field: the run id and a well-formed lineage (version 5 on; absent: both
+    unknown, as in a manifest written before version 5)."""
+    if not d:
+        return {}
+    if version < 5:
+        raise _Malformed(f"run is a version-5 field, the manifest says version {version}")
+    if set(d) != {"id", "line"}:
+        raise _Malformed(f"run has {sorted(d)}, expected id and line")
+    if d["id"] is not None and (not isinstance(d["id"], str) or not d["id"]):
+        raise _Malformed(f"run.id is {d['id']!r}, expected the run id (a string) or null")
+    try:
+        Lineage.from_json(d["line"], "run.line")
+    except ValueError as e:
+        raise _Malformed(str(e)) from None
+    return d
 
 
 def _unchanged(e: object, old: Entry) -> bool:

@@ -32,7 +32,9 @@ import re
 import shutil
 import signal
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError
 from moc.checkpoint.store.backend import ObjectPath, open_root
@@ -56,7 +58,12 @@ SUPERSEDED = "manifest.superseded.json"
 CORRUPT_SUFFIX = ".corrupt"
 """`step-N.corrupt`: where `set_aside` moves a step that failed verification."""
 CORRUPT_NOTE = "CORRUPT.txt"
-"""In a set-aside step: why it was set aside."""
+"""In a step set aside as corrupt: why."""
+ROLLED_BACK_SUFFIX = ".rolledback"
+"""`step-N.rolledback[-k]`: where a rollback (`restore(step=S)`) moves each step newer
+than S. Never overwritten (k counts earlier rollbacks past the same step): what a
+rollback set aside is the user's to inspect or delete."""
+NOTES = {CORRUPT_SUFFIX: CORRUPT_NOTE, ROLLED_BACK_SUFFIX: "ROLLED_BACK.txt"}
 
 
 def step_dir(root: Path | ObjectPath, step: int) -> Path | ObjectPath:
@@ -227,8 +234,10 @@ def put_back_replaced(root: Path | ObjectPath) -> list[Path]:
     return out
 
 
-def set_aside(root: Path | ObjectPath, step: int, reason: str) -> Path | ObjectPath:
-    """Move a complete step that failed verification to `step-N.corrupt`.
+def set_aside(root: Path | ObjectPath, step: int, reason: str,
+              suffix: str = CORRUPT_SUFFIX) -> Path | ObjectPath:
+    """Move a complete step that failed verification to `step-N.corrupt` (`suffix`
+    ROLLED_BACK_SUFFIX: one a rollback left behind, to a fresh `step-N.rolledback[-k]`).
 
     Kept for inspection rather than deleted, and out of the way: it is never read again,
     retention does not count it among the newest steps (where it would crowd out the
@@ -243,8 +252,8 @@ def set_aside(root: Path | ObjectPath, step: int, reason: str) -> Path | ObjectP
     """
     src = step_dir(root, step)
     if isinstance(src, ObjectPath):
-        return _set_aside_objects(src, reason)
-    dst = Path(root) / f"{src.name}{CORRUPT_SUFFIX}"
+        return _set_aside_objects(src, reason, suffix)
+    dst = _aside_name(src, suffix, lambda d: d.is_symlink() or d.exists())
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
     elif dst.exists():
@@ -254,22 +263,33 @@ def set_aside(root: Path | ObjectPath, step: int, reason: str) -> Path | ObjectP
     if link:
         log.warning("%s was a symbolic link, renamed to %s: %s", src, dst.name, reason)
     else:
-        (dst / CORRUPT_NOTE).write_text(reason + "\n")
+        (dst / NOTES[suffix]).write_text(reason + "\n")
     fsync_dir(Path(root))
     return dst
 
 
-def _set_aside_objects(src: ObjectPath, reason: str) -> ObjectPath:
+def _aside_name(src: Path | ObjectPath, suffix: str, taken: Callable[[Any], bool]) -> Any:
+    """Where `src` is set aside: `step-N.corrupt` (an older corrupt copy is replaced), or
+    the first free `step-N.rolledback[-k]` (nothing rolled back is ever replaced)."""
+    dst = src.parent / f"{src.name}{suffix}"
+    k = 1
+    while suffix == ROLLED_BACK_SUFFIX and taken(dst):
+        dst = src.parent / f"{src.name}{suffix}-{k}"
+        k += 1
+    return dst
+
+
+def _set_aside_objects(src: ObjectPath, reason: str, suffix: str) -> ObjectPath:
     """The object-store set-aside: copy every object of `src` (the manifest among them)
     to `step-N.corrupt/` with CORRUPT.txt, then delete the manifest of `src` (from here
     on the step is not complete) and the rest. A crash before the manifest goes leaves
     the step complete and corrupt, found and set aside again by the next run; one after
     leaves `src` without a manifest, which `remove_abandoned` deletes."""
-    dst = src.parent / f"{src.name}{CORRUPT_SUFFIX}"
+    dst = _aside_name(src, suffix, lambda d: d.is_dir())
     dst.remove_tree()  # an earlier set-aside copy of this step number, or a partial one
     for name in sorted(src.listing()):
         (src / name).copy_to(dst / name)
-    (dst / CORRUPT_NOTE).write_confirmed((reason + "\n").encode())
+    (dst / NOTES[suffix]).write_confirmed((reason + "\n").encode())
     (src / MANIFEST).unlink(missing_ok=True)
     src.remove_tree()
     return dst

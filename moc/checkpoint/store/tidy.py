@@ -12,7 +12,9 @@ nothing. A training job still has to clean up before it writes, for two reasons:
 - `.tmp` directories of interrupted saves take space, so they are removed then too.
 
 `WriteTidy` remembers what a restore found and does both at the first save after it:
-rank 0's caller thread, once per restore (a flag test on every later save).
+rank 0's caller thread, once per restore (a flag test on every later save). The
+two-level engine hands the work (`take`) to its persist process instead, which does it
+(`tidy`) before the first step it writes: storage must never stall a training step.
 """
 
 from __future__ import annotations
@@ -48,27 +50,40 @@ class WriteTidy:
         self.corrupt.update(skipped)
         self.pending = True
 
-    def before_write(self) -> None:
-        """Set the noted corrupt steps aside and remove abandoned `.tmp` directories;
-        nothing when there is nothing pending. A directory that cannot be changed is
-        logged, not raised: the save itself then reports why it cannot write."""
+    def take(self) -> dict[int, str] | None:
+        """The pending work, for whoever writes next (the corrupt steps to set aside, by
+        step; the abandoned directories go too), and nothing pending any more; None when
+        nothing is pending."""
         if not self.pending:
-            return
-        self.pending = False
-        for step, reason in sorted(self.corrupt.items()):
-            d = step_dir(self.root, step)
-            linked = not isinstance(d, ObjectPath) and d.is_symlink()
+            return None
+        work, self.corrupt, self.pending = dict(self.corrupt), {}, False
+        return work
+
+    def before_write(self) -> None:
+        """Do the pending work now (`tidy`); nothing when there is nothing pending."""
+        work = self.take()
+        if work is not None:
+            tidy(self.root, work)
+
+
+def tidy(root: Path | ObjectPath, corrupt: dict[int, str]) -> None:
+    """Set the `corrupt` steps aside (step -> why) and remove abandoned `.tmp`
+    directories. A directory that cannot be changed is logged, not raised: the save
+    itself then reports why it cannot write."""
+    root = open_root(root)
+    for step, reason in sorted(corrupt.items()):
+        d = step_dir(root, step)
+        linked = not isinstance(d, ObjectPath) and d.is_symlink()
+        try:
             if not (d / MANIFEST).is_file() and not linked:
                 continue  # gone or re-committed meanwhile: nothing to set aside
-            try:
-                set_aside(self.root, step, reason)
-            except OSError as e:
-                log.warning("could not set the corrupt step %d aside (%s); it stays in "
-                            "place, and retention may count it among the newest steps: %s",
-                            step, e.strerror or e, reason)
-        self.corrupt.clear()
-        try:
-            remove_abandoned(self.root)
+            set_aside(root, step, reason)
         except OSError as e:
-            log.warning("could not remove abandoned .tmp directories in %s (%s)",
-                        self.root, e.strerror or e)
+            log.warning("could not set the corrupt step %d aside (%s); it stays in "
+                        "place, and retention may count it among the newest steps: %s",
+                        step, e.strerror or e, reason)
+    try:
+        remove_abandoned(root)
+    except OSError as e:
+        log.warning("could not remove abandoned .tmp directories in %s (%s)",
+                    root, e.strerror or e)

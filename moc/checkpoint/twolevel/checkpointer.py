@@ -78,6 +78,7 @@ from moc.checkpoint.api import (
 from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
+from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
@@ -86,6 +87,7 @@ from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import read_run_id
+from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node, restore_from_memory
@@ -93,12 +95,8 @@ from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
 from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
-from moc.checkpoint.twolevel.replica import (
-    ReplicaReport,
-    ReplicaStore,
-    exchange_replicas,
-    replica_keys,
-)
+from moc.checkpoint.twolevel.replica import ReplicaReport
+from moc.checkpoint.twolevel.replication import Replication
 from moc.checkpoint.twolevel.sizing import choose_k, parse_k_replica, parse_k_snapshot
 from moc.checkpoint.twolevel.slots import (
     SnapshotHeader,
@@ -266,36 +264,39 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             self.nodes = NodeLayout.from_env(p.groups.world_size)
             self.nodes.check_jump(replica_jump)
             self.k_replica = parse_k_replica(k_replica, p.spec.n_experts)
+            k, self.auto_k_snapshot = parse_k_snapshot(k_snapshot, p.spec.n_experts)
         except ValueError:
-            p.release()
+            p.release()  # the directory's lock: a corrected retry must find it free
             raise
-        k, self.auto_k_snapshot = parse_k_snapshot(k_snapshot, p.spec.n_experts)
         self._auto_seen = 0  # snapshots measured for `auto`
         self._auto_choices: list[dict[str, Any]] = []  # rank 0: what each allowed
         self.job = job or default_job_id(directory)
         self.store = SnapshotStore(self.job, p.groups.rank)
+        try:
+            self.persist, nonce = self._start_persist()
+        except BaseException:
+            p.release()
+            raise
         self.worker = SnapshotWorker()
-        self.persist, nonce = self._start_persist()
         self.peers: Peers | None = None
         """Across nodes: the replica group, for replication and for restores that reach
         another node's memory."""
-        self.replicas: ReplicaStore | None = None
-        """The replicas this rank keeps for its peer (None: none are sent)."""
+        self.replication: Replication | None = None
+        """This rank's peer replicas (None: one node, or none are sent)."""
         if self.nodes.n_nodes > 1:
             self.peers = Peers(self.nodes, tdist.new_group(backend="gloo"), self.job)
             if self.k_replica != 0:
-                self.replicas = ReplicaStore(
-                    self.job, self.nodes.replica_src(p.groups.rank, replica_jump))
-        self.replica_jump = replica_jump
-        self.replica_dst = self.nodes.replica_dst(p.groups.rank, replica_jump)
-        self.replica_rate = replica_rate
-        self._replica_index = 0  # replicas sent: the K_replica rotation's c
+                self.replication = Replication(self.nodes, p.groups.rank, self.job,
+                                               self.peers.group, self.k_replica,
+                                               replica_jump, replica_rate)
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
                        nonce), k,
             on_commit=p.retention.request if p.retention is not None else None,
-            failures=p.failures)
+            failures=p.failures,
+            replicas=self.replication.channel if self.replication is not None else None)
+        self._hand_tidy()
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
@@ -359,18 +360,17 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                              "not reported yet); save each step once")
         rejected, extra, captured = None, {}, None
         try:
-            self.parts.check_can_save()
             extra = checked_save(step, extra_state)
+            self.parts.check_save(step)
             captured = self.parts.state.capture()
         except ValueError as e:
             if not self.parts.groups.distributed:
                 raise
             rejected = str(e)
+        else:
+            self.parts.order.saved(step)
+        run = self.parts.run  # this line's, as of this save
         self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
-        if self.parts.tidy is not None and rejected is None:
-            # Rank 0, first save after start or restore (nothing is persisting then):
-            # what the restore left in place for the write path.
-            self.parts.tidy.before_write()
         counts = self.parts.ledger.take_pending()
         rng = torch.get_rng_state()
         ready = None
@@ -380,36 +380,13 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         planner = self.planner
         self._handle = SnapshotHandle(self.worker, self.store, step,
                                       lambda: planner.plan(step, counts, rng, extra, final,
-                                                           rejected, captured), ready)
+                                                           rejected, captured, run), ready)
         record = self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
-        if self.replicas is not None:
-            handle = self._handle
-            record.replica = self.worker.submit(lambda: self._replicate(handle))
+        if self.replication is not None:
+            handle, replication, p = self._handle, self.replication, self.parts
+            record.replica = self.worker.submit(lambda: replication.round(
+                handle, self.store, p.chain.stems, self.spec, p.groups.layout.ep))
         self._saved_at = time.perf_counter()
-
-    def _replicate(self, handle: SnapshotHandle) -> ReplicaReport | None:
-        """On the snapshot thread, right after `handle`'s copy: send this rank's snapshot
-        to its peer node's memory and receive the one it keeps for its own source rank
-        (every rank at the same step: a plan is collective). None when the plan failed
-        (on every rank: there is nothing to send, and no one sends). Blocks only this
-        thread; the next snapshot's plan waits for it, so a slow replica delays the next
-        checkpoint, never a training step."""
-        if handle.job is None:
-            return None
-        outgoing = None
-        if handle.header is not None and handle.slot is not None:
-            header = handle.header
-            p = self.parts
-            keys = replica_keys(header, p.chain.stems, self.spec.n_experts,
-                                self.spec.n_moe_layers, p.groups.layout.ep,
-                                None if self.k_replica == "all" else self.k_replica,
-                                self._replica_index)
-            outgoing = (header, self.store.read(handle.slot, header, verify=False), keys)
-        self._replica_index += 1
-        assert self.peers is not None and self.replicas is not None
-        src = self.nodes.replica_src(self.parts.groups.rank, self.replica_jump)
-        return exchange_replicas(self.peers.group, self.replica_dst, src, outgoing,
-                                 self.replicas, rate_Bps=self.replica_rate)
 
     def wait_for_snapshot(self) -> None:
         """Blocks until the snapshot being taken is complete: the only place training
@@ -521,25 +498,24 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if self._reader is not None:
             return {"ckpt_host_bytes": 0, "snapshot_bytes": 0}
         sizes = self.store.sizes()
-        if self.replicas is not None:
-            replica = self.replicas.sizes()
-            sizes["replica_host_bytes"] = replica["replica_host_bytes"]
-            sizes["replica_slot_bytes"] = replica["replica_bytes"]
-            sizes["ckpt_host_bytes"] += replica["replica_host_bytes"]
+        if self.replication is not None:
+            sizes.update(self.replication.sizes())
+            sizes["ckpt_host_bytes"] += sizes["replica_host_bytes"]
         return sizes
 
     # -- recovery --------------------------------------------------------------------------
 
-    def restore(self) -> RecoveryReport | None:
+    def restore(self, step: int | None = None) -> RecoveryReport | None:
         """Restore the newest step every rank can restore, from memory where it can
-        ("memory", "mixed") or from storage ("storage"). Collective.
+        ("memory", "peer", "mixed") or from storage ("storage"). `step`: roll back to
+        that step, from storage (`CheckpointEngine.restore`). Collective.
 
         A checkpoint still being taken or persisted finishes first: a rollback in the
         middle of a run must not race the snapshot thread's collective, nor leave a
         persist that commits after the restore.
         """
         if self._reader is not None:
-            report = self._reader.restore()
+            report = self._reader.restore(step)
             return None if report is None else dataclasses.replace(report, sources={
                 "storage": list(range(self.parts.groups.world_size))})
         p, planner = self.parts, self.planner
@@ -551,23 +527,31 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             # The checkpoint directory is gone (a fresh start was asked for): snapshots
             # left in memory by an earlier run of it must not be resumed.
             self._invalidate_newer_than(-1)
-        mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
-                                  p.model_meta, p.chain.tracked_kind, p.run_id, self.peers)
+        mem = None
+        if step is None:
+            mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
+                                      p.model_meta, p.chain.tracked_kind, p.run_id,
+                                      self.peers)
         if mem is None:
             planner.newest_slot = planner.persist_slot = None
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
-                                         p.ledger, p.tidy, commits_checked=True)
+                                         p.ledger, p.tidy, restored=p.restored, run_id=p.run_id,
+                                         step=step, commits_checked=True)
             self._invalidate_newer_than(report.step if report is not None else -1)
+            self._hand_tidy()
             if report is None:
                 return None
             return dataclasses.replace(report, sources={
                 "storage": list(range(p.groups.world_size))})
         self._invalidate_newer_than(mem.step)
+        self._hand_tidy()
+        p.restored(mem.step, Lineage.from_json(mem.meta["line"], "snapshot lineage"))
         planner.newest_slot, planner.persist_slot = mem.slot, None
         planner.snap_index = int(mem.meta.get("snap_index", -1)) + 1
         p.ledger.load_json(mem.meta["ledger"])
         if storage:
-            planner.committed(storage[-1])  # the chain continues from storage
+            # The chain continues from storage (the snapshot's line continues it).
+            planner.committed(Manifest.load(p.root, storage[-1]))
         else:
             p.chain.reset()
         plt = p.ledger.recover(mem.at_copy, mem.meta, mem.stale)
@@ -577,6 +561,14 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         return RecoveryReport(mem.step, mem.meta["extra"], mem.source, mem.recovery_s,
                               plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
                               plt.k_before, sources=sources)
+
+    def _hand_tidy(self) -> None:
+        """Rank 0, at start and after a restore (no plan runs): the clean-up the read
+        path left for the write path goes to the persist process with the next persist
+        request, so that it touches storage there, never on a training step."""
+        work = self.parts.tidy.take() if self.parts.tidy is not None else None
+        if work is not None:
+            self.planner.tidy = {**(self.planner.tidy or {}), **work}
 
     def _invalidate_newer_than(self, step: int) -> None:
         """After restoring `step`: forget newer snapshots (this rank's) and, on a node's
@@ -617,8 +609,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             finally:
                 self.worker.stop()
                 self.store.release()
-                if self.replicas is not None:
-                    self.replicas.release()
+                if self.replication is not None:
+                    self.replication.release()
                 if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
                     self._remove_snapshots()
                 if p.retention is not None:
@@ -634,7 +626,12 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         (then a restart of the job resumes from it; the next job start removes it once
         its owner is gone)."""
         newest = max((h.step for h in self.store.headers().values()), default=None)
-        durable = complete_steps(self.root)
+        try:
+            durable = complete_steps(self.root)
+        except OSError as e:  # a store that cannot be listed proves nothing: keep them
+            log.warning("kept the snapshots in %s: the checkpoint directory %s cannot be "
+                        "listed (%s)", job_dir(self.job), self.root, e)
+            return
         if newest is not None and (not durable or newest > durable[-1]
                                    or not self.planner.persist_alive):
             log.warning("kept the snapshot of step %d in %s: it is newer than the newest "

@@ -37,7 +37,14 @@ import torch
 
 from moc.checkpoint.dist import Dist
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.recovery import CheckpointReader, DictReader, LazyKey, restore_loop
+from moc.checkpoint.lineage import Lineage
+from moc.checkpoint.recovery import (
+    CheckpointReader,
+    DictReader,
+    LazyKey,
+    check_run,
+    restore_loop,
+)
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
@@ -50,9 +57,13 @@ log = logging.getLogger(__name__)
 Copies = dict[str, tuple[int, str]]
 """Per key: the step of the copy restored and where it came from ("slot-<i>", "peer",
 "storage")."""
-Holdings = dict[int, dict[int, tuple[str, int]]]
-"""What one node's memory holds: source rank -> step -> (kind: "rank" for the rank's own
-snapshot directory, "replica" for a peer replica of it; slot)."""
+Version = tuple[int, str]
+"""One checkpoint of one line of training: (step, the id of the segment that wrote it,
+`Lineage.writer`). Two jobs that resumed one directory from the same step label their
+snapshots with the same steps; only the writer tells them apart."""
+Holdings = dict[int, dict[Version, tuple[str, int]]]
+"""What one node's memory holds: source rank -> version -> (kind: "rank" for the rank's
+own snapshot directory, "replica" for a peer replica of it; slot)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,11 @@ def _stores(job: str, kind: str, src: int) -> SnapshotStore:
     return SnapshotStore(job, src) if kind == "rank" else ReplicaStore(job, src)
 
 
-def node_holdings(job: str, accept: Callable[[SnapshotHeader], bool]) -> Holdings:
-    """Every snapshot and replica in this node's memory that `accept`s (this run's, same
-    model and layout). A node leader's view, for the other ranks' recovery."""
+def node_holdings(job: str, version: Callable[[SnapshotHeader], Version | None]
+                  ) -> Holdings:
+    """Every snapshot and replica in this node's memory that has a `version` (None: not a
+    candidate: another run, model, layout or line). A node leader's view, for the other
+    ranks' recovery."""
     out: Holdings = {}
     jdir = job_dir(job)
     for kind, prefix in (("rank", "rank-"), ("replica", "replica-")):
@@ -86,8 +99,9 @@ def node_holdings(job: str, accept: Callable[[SnapshotHeader], bool]) -> Holding
             except CheckpointError:
                 continue  # not a directory this user trusts: never a source
             for slot, header in headers.items():
-                if accept(header):
-                    out.setdefault(src, {}).setdefault(header.step, (kind, slot))
+                v = version(header)
+                if v is not None:
+                    out.setdefault(src, {}).setdefault(v, (kind, slot))
             store.release()
     return out
 
@@ -95,7 +109,8 @@ def node_holdings(job: str, accept: Callable[[SnapshotHeader], bool]) -> Holding
 def invalidate_node(job: str, step: int) -> None:
     """Forget every snapshot and replica on this node newer than `step` (a leader, after
     the job restored `step`): they belong to a run that will not continue."""
-    for src, steps in node_holdings(job, lambda h: h.step > step).items():
+    newer = node_holdings(job, lambda h: (h.step, "") if h.step > step else None)
+    for src, steps in newer.items():
         for kind in {kind for kind, _ in steps.values()}:
             _stores(job, kind, src).invalidate_newer_than(step)
 
@@ -132,64 +147,82 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
                         model_meta: dict[str, Any], tracked_kind: str,
                         run_id: str | None, peers: Peers | None = None
                         ) -> MemoryRestore | None:
-    """Restore the newest step every rank can restore with some rank's memory (its own,
-    or a peer's); None when there is none (or every such step failed on some rank).
+    """Restore the newest checkpoint every rank can restore with some rank's memory (its
+    own, or a peer's); None when there is none (or every such one failed on some rank).
     Collective.
 
     `storage`: the complete steps on storage (the same list on every rank). A snapshot
-    older than the newest persisted step is never used: storage is newer. Only
-    snapshots of this run (`run_id`, the checkpoint directory's), of the same model and
-    layout, are candidates: memory left by another run is never restored. `peers`
-    (across nodes): reach the copies other nodes hold.
+    older than the newest persisted step is never used: storage is newer. Only snapshots
+    of this run (`run_id`, the checkpoint directory's), of the same model and layout, and
+    of a line of training that continues the newest persisted step (its lineage says so,
+    `moc.checkpoint.lineage`) are candidates: memory left by another run, or by another
+    job that resumed this directory along another line, is never restored nor mixed
+    with what storage holds. `peers` (across nodes): reach the copies other nodes hold.
     """
     newest_storage = storage[-1] if storage else None
+    base = _storage_lineage(root, newest_storage, dist, run_id)
+    if newest_storage is not None and base is None:
+        return None  # the newest persisted step cannot be read: storage's restore decides
 
-    def ours(h: SnapshotHeader) -> bool:
-        return (run_id is not None and h.meta.get("run_id") == run_id
-                and h.meta.get("layout") == layout and h.meta.get("model") == model_meta)
+    def version(h: SnapshotHeader) -> Version | None:
+        if not (run_id is not None and h.meta.get("run_id") == run_id
+                and h.meta.get("layout") == layout and h.meta.get("model") == model_meta):
+            return None
+        try:
+            line = Lineage.from_json(h.meta.get("line"), "the snapshot's lineage")
+        except ValueError:
+            return None  # an older moc's snapshot: its line cannot be proven
+        if base is not None and not line.descends_from(h.step, base, newest_storage or 0):
+            return None
+        return (h.step, line.writer or "")
 
-    headers = {slot: h for slot, h in store.headers().items() if ours(h)}
-    mine = {h.step: slot for slot, h in headers.items()}
-    everyone = [set(m) for m in dist.all_gather(sorted(mine))]
+    headers = {slot: h for slot, h in store.headers().items() if version(h) is not None}
+    mine = {version(h): slot for slot, h in headers.items()}
+    everyone = [{tuple(v) for v in m} for m in dist.all_gather(sorted(mine))]
     held: Holdings = {}
     if peers is not None and peers.nodes.is_leader(dist.rank):
-        held = node_holdings(peers.job, ours)
+        held = node_holdings(peers.job, version)
     holdings: list[Holdings] = dist.all_gather(held) if peers is not None else []
 
-    def remote(rank: int, step: int) -> tuple[int, str, int] | None:
-        """(holder's leader, kind, slot) of a copy of `rank`'s `step` in another node."""
+    def remote(rank: int, v: Version) -> tuple[int, str, int] | None:
+        """(holder's leader, kind, slot) of a copy of `rank`'s `v` in another node."""
         for holder, held in enumerate(holdings):
-            found = held.get(rank, {}).get(step)
+            found = held.get(rank, {}).get(v)
             if found is not None and holder != rank:
                 return (holder, *found)
         return None
 
-    def source(rank: int, step: int) -> str | None:
-        if step in everyone[rank]:
+    def source(rank: int, v: Version) -> str | None:
+        if v in everyone[rank]:
             return "memory"
-        if remote(rank, step) is not None:
+        if remote(rank, v) is not None:
             return "peer"
-        return "storage" if step in storage else None
+        # Storage holds the same checkpoint only if the same segment committed it.
+        same = base is not None and v == (newest_storage, base.writer)
+        return "storage" if same else None
 
-    in_memory = set().union(*everyone, {s for h in holdings for c in h.values() for s in c})
-    candidates = [step for step in sorted(in_memory, reverse=True)
-                  if (newest_storage is None or step >= newest_storage)
-                  and all(source(r, step) is not None for r in range(dist.world_size))]
+    in_memory = set().union(*everyone, {v for h in holdings for c in h.values() for v in c})
+    candidates = [v for v in sorted(in_memory, reverse=True)
+                  if all(source(r, v) is not None for r in range(dist.world_size))]
     t0 = time.perf_counter()
     copies: Copies = {}
     metas: dict[str, dict[str, Any]] = {f"slot-{slot}": h.meta for slot, h in headers.items()}
 
-    def attempt(step: int) -> tuple[int, str, dict[str, Any] | None]:
+    def attempt(v: Version) -> tuple[Version, str, dict[str, Any] | None]:
         nonlocal t0, copies
         t0 = time.perf_counter()
-        plan = [source(r, step) for r in range(dist.world_size)]
-        fetched = _transfer(peers, dist.rank, plan, step, remote) if "peer" in plan else None
+        step = v[0]
+        plan = [source(r, v) for r in range(dist.world_size)]
+        fetched = _transfer(peers, dist.rank, plan, v, remote) if "peer" in plan else None
         if plan[dist.rank] == "memory":
-            reader, copies = _memory_reader(store, root, step, headers, newest_storage)
+            ancestors = {slot: h for slot, h in headers.items()
+                         if _is_ancestor(headers[mine[v]], h)}
+            reader, copies = _memory_reader(store, root, step, ancestors, newest_storage)
             state.load(reader)
-            return step, "memory", headers[mine[step]].meta
+            return v, "memory", headers[mine[v]].meta
         if plan[dist.rank] == "peer" and fetched is None:
-            if step not in storage:
+            if source(dist.rank, v) is None or base is None or v != (newest_storage,
+                                                                      base.writer):
                 raise CheckpointError(f"the peer copy of step {step} of rank {dist.rank} did "
                                       "not verify, and storage does not hold that step")
             # The other ranks still restore their copies of this step; this one alone
@@ -201,18 +234,19 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
             metas["peer"] = header.meta
             reader, copies = _peer_reader(tensors, root, step, newest_storage)
             state.load(reader)
-            return step, "peer", header.meta
+            return v, "peer", header.meta
         reader = CheckpointReader(root, Manifest.load(root, step))
         copies = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
         state.load(reader)
-        return step, "storage", None
+        return v, "storage", None
 
     # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
     restored, _ = restore_loop(candidates, attempt, dist, skip=(Exception,),
-                               label=lambda step: f"the snapshot of step {step}")
+                               label=lambda v: f"the snapshot of step {v[0]}")
     if restored is None:
         return None
-    step, source_here, meta_here = restored
+    v, source_here, meta_here = restored
+    step = v[0]
     sources = dist.all_gather(source_here)
     if all(s == "storage" for s in sources):
         return None  # every peer copy failed: the caller restores from storage alone
@@ -237,23 +271,62 @@ def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist
     older = any(copy_step < step for key, (copy_step, _) in copies.items()
                 if key in held_keys and (parsed := parse_expert_key(key)) is not None
                 and parsed[0] == tracked_kind)
-    return MemoryRestore(step, mine.get(step) if source_here == "memory" else None, meta,
+    return MemoryRestore(step, mine[v] if source_here == "memory" else None, meta,
                          overall_source(sources), time.perf_counter() - t0, at_copy,
                          any(dist.all_gather(older)), sources)
 
 
-def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
-              remote: Callable[[int, int], tuple[int, str, int] | None]
+def _storage_lineage(root: Path, newest: int | None, dist: Dist, run_id: str | None
+                     ) -> Lineage | None:
+    """The lineage of the newest persisted step, as rank 0 reads it (the same on every
+    rank); None when there is none, or its manifest cannot be read or is another run's
+    (storage's restore then decides, and skips it)."""
+    line = None
+    if dist.rank == 0 and newest is not None:
+        try:
+            manifest = Manifest.load(root, newest)
+            check_run(manifest, run_id, f"step {newest}")
+            line = manifest.lineage.to_json()
+        except (CheckpointError, OSError, ValueError) as e:
+            log.warning("the manifest of step %d cannot be read (%s): not restoring from "
+                        "memory", newest, e)
+    line = dist.broadcast(line)
+    return None if line is None else Lineage.from_json(line, "the newest step's lineage")
+
+
+def _version_of(header: SnapshotHeader) -> Version | None:
+    """(step, writer) of a snapshot, None when its lineage is unreadable."""
+    try:
+        line = Lineage.from_json(header.meta["line"], "lineage")
+    except (KeyError, ValueError):
+        return None
+    return (header.step, line.writer or "")
+
+
+def _is_ancestor(restored: SnapshotHeader, older: SnapshotHeader) -> bool:
+    """Whether the snapshot `older` holds the state of the line `restored` continues
+    (its own or an ancestor's): only those may fill in what a partial snapshot lacks."""
+    try:
+        line = Lineage.from_json(restored.meta["line"], "lineage")
+        return line.descends_from(restored.step, Lineage.from_json(
+            older.meta["line"], "lineage"), older.step)
+    except (KeyError, ValueError):
+        return False
+
+
+def _transfer(peers: Peers | None, me: int, plan: list[str | None], version: Version,
+              remote: Callable[[int, Version], tuple[int, str, int] | None]
               ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]] | None:
-    """Every peer copy of `step` the plan needs, pair by pair in rank order: a holder
+    """Every peer copy of `version` the plan needs, pair by pair in rank order: a holder
     sends, the rank that needs it receives (verified; None when it did not verify).
     This rank's copy, if it needed one."""
+    step = version[0]
     assert peers is not None
     fetched = None
     for rank, src in enumerate(plan):
         if src != "peer":
             continue
-        found = remote(rank, step)
+        found = remote(rank, version)
         assert found is not None
         holder, kind, slot = found
         if me == holder:
@@ -262,8 +335,8 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], step: int,
                 header = store.headers().get(slot)
             except CheckpointError:  # not a directory it trusts now: a marker, no hang
                 header = None
-            sent = send_replica(peers.group, rank, store, slot,
-                                header if header is not None and header.step == step else None)
+            same = header is not None and _version_of(header) == version
+            sent = send_replica(peers.group, rank, store, slot, header if same else None)
             store.release()
             if sent.error is not None:
                 log.warning("rank %d's copy of step %d for rank %d: %s", me, step, rank,

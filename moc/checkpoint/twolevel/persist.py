@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -57,6 +58,7 @@ from moc.checkpoint.store.steps import (
     rank_file,
     tmp_dir,
 )
+from moc.checkpoint.store.tidy import tidy
 from moc.checkpoint.twolevel.commit import (
     Abandoned,
     clear_records,
@@ -66,6 +68,7 @@ from moc.checkpoint.twolevel.commit import (
     write_part,
 )
 from moc.checkpoint.twolevel.protocol import (
+    MAX_DONE_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_RESTARTS,
     PERSIST_GONE,
@@ -217,7 +220,7 @@ class PersistClient:
             try:
                 if not conn.poll(PERSIST_TIMEOUT_S):  # blocks until a result
                     raise TimeoutError
-                msg = codec.decode(conn.recv_bytes(MAX_MESSAGE_BYTES))
+                msg = codec.decode(conn.recv_bytes(MAX_DONE_BYTES))
                 if not isinstance(msg, Done):
                     raise codec.CodecError(f"expected a Done, got {type(msg).__name__}")
             except (EOFError, OSError, codec.CodecError):  # TimeoutError is an OSError
@@ -332,6 +335,12 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
     hex, where rank 0 writes it) authenticates every connection."""
     from moc.checkpoint.twolevel.worker import lower_process_priority
 
+    # Its life is its parent's: it ends when rank 0 is gone or asks it to stop. A signal
+    # sent to the job (a preemption's SIGTERM to the process group, Ctrl-C in a terminal)
+    # must not kill the writer of the job's final checkpoint, which rank 0 is about to ask
+    # for (`moc.Preemption`); SIGKILL still ends it.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     if secret is None:
         secret = bytes.fromhex(sys.stdin.readline().strip())
     lower_process_priority()  # training first; persisting only bounds checkpoint frequency
@@ -447,15 +456,23 @@ def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid
     failure is also written as the node's part, so that node 0 stops waiting for it."""
     cache = cache if cache is not None else PersistCache()
     t0 = time.perf_counter()
-    time.sleep(float(os.environ.get(STALL_ENV, "0")))
 
     def cancelled() -> bool:
         return abandoned() or not _alive(parent_pid)
 
+    # The injected stall ends early when the job is gone, as a stalled write would not,
+    # but a drill's orphaned process must not outlive its test by the stall.
+    stall_until = time.monotonic() + float(os.environ.get(STALL_ENV, "0"))
+    while time.monotonic() < stall_until and not cancelled():
+        time.sleep(min(POLL_S, max(0.0, stall_until - time.monotonic())))
+
     phases = Phases()
     try:
-        sizes = _persist(job, root, req, ready, cancelled, phases, cache)
-        return Done(req.step, True, None, time.perf_counter() - t0, sizes, phases.to_dict())
+        if req.tidy is not None:
+            tidy(root, req.tidy)
+        sizes, manifest = _persist(job, root, req, ready, cancelled, phases, cache)
+        return Done(req.step, True, None, time.perf_counter() - t0, sizes, phases.to_dict(),
+                    manifest)
     except Exception as e:
         if isinstance(e, (OSError, Abandoned)):  # described by `_persist`: no traceback
             error = f"{type(e).__name__}: {e}"
@@ -478,14 +495,19 @@ def _give_up(root: Path, req: Persist, error: str, cancelled: Callable[[], bool]
 
 
 def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
-             cancelled: Callable[[], bool], phases: Phases, cache: PersistCache) -> list[int]:
+             cancelled: Callable[[], bool], phases: Phases, cache: PersistCache
+             ) -> tuple[list[int], str | None]:
     """Write one step's files of this node's ranks; on node 0 also wait for the other
     nodes' parts and commit the manifest (`twolevel.commit`). The bytes written for
-    each rank of the job (on node j > 0: of its own ranks). `phases`: "read" (the
-    snapshots' headers and mappings), "write", "fsync", "parts" (waiting for other
-    nodes) and "commit"."""
+    each rank of the job (on node j > 0: of its own ranks), and on node 0 the manifest
+    committed. `phases`: "read" (the snapshots' headers and mappings), "write",
+    "fsync", "parts" (waiting for other nodes) and "commit"."""
     others = range(1, req.n_nodes)
+    prev = None
     if req.node == 0:
+        # Read before the step is begun: on an object store beginning a step deletes its
+        # objects, and the final save of close() chains from that very step's manifest.
+        prev = cache.manifest(root, req.prev_step) if req.prev_step is not None else None
         begin_step(root, req.step)
         if others:
             write_begin(root, req.step, req.nonce)
@@ -495,7 +517,7 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
     if req.node != 0:
         write_part(root, req.step, req.node, req.nonce, entries=entries, files=files,
                    held=sorted(held), bytes_per_rank=sizes)
-        return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+        return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], None
     with phases("parts"):
         parts = gather_parts(root, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled)
     for part in parts:
@@ -506,19 +528,20 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
     if cancelled():
         raise RuntimeError("the job is gone; step left uncommitted")
     with phases("commit"):
-        _commit(root, req, entries, held, files, others, cache)
-    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)]
+        text = _commit(root, req, entries, held, files, others, cache, prev)
+    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], text
 
 
 def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
-            files: dict[str, int], others: range, cache: PersistCache) -> None:
+            files: dict[str, int], others: range, cache: PersistCache,
+            prev: Manifest | None) -> str:
     """Node 0: the step's manifest, from this step's entries and the previous step's
-    for the keys not written now."""
+    (`prev`, the manifest of `req.prev_step`) for the keys not written now; its JSON,
+    as committed."""
     clear_records(root, req.step, others)
     assert req.template is not None  # node 0's request carries it
-    prev = cache.manifest(root, req.prev_step).entries if req.prev_step is not None else {}
     # The state is what the ranks hold now: keys of ranks that no longer exist drop out.
-    all_entries = {k: e for k, e in prev.items() if k in held}
+    all_entries = {k: e for k, e in (prev.entries if prev else {}).items() if k in held}
     all_entries.update(entries)
     missing = held - set(all_entries)
     if missing:
@@ -532,6 +555,7 @@ def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
         raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
                                 f"of {len(text.encode())} bytes)") from None
     cache.committed(manifest, text)
+    return text
 
 
 class PersistCache:

@@ -21,6 +21,7 @@ the next persist writes the experts the lost one would have.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.store.steps import MANIFEST, step_dir
 from moc.checkpoint.twolevel.commit import watch_part
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
@@ -50,6 +52,7 @@ from moc.checkpoint.twolevel.protocol import (
     Persist,
     Ready,
 )
+from moc.checkpoint.twolevel.replica import ReplicaChannel
 from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
 from moc.checkpoint.twolevel.slots import N_SLOTS, SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.worker import SnapshotJob
@@ -100,7 +103,8 @@ class SnapshotPlanner:
                  chain: ChainState, ledger: TokenLedger, client: PersistClient,
                  config: PlanConfig, k_snapshot: int,
                  on_commit: Callable[[], None] | None = None,
-                 failures: FailurePolicy | None = None) -> None:
+                 failures: FailurePolicy | None = None,
+                 replicas: ReplicaChannel | None = None) -> None:
         self.state, self.groups, self.dist = state, groups, dist
         self.chain, self.ledger, self.client, self.config = chain, ledger, client, config
         self.k_snapshot = k_snapshot
@@ -131,6 +135,13 @@ class SnapshotPlanner:
         raised on the caller's thread, on every rank at the same call."""
         self.final_steps: set[int] = set()
         """Steps checkpointed with `final`: their failure is fatal."""
+        self.replicas = replicas
+        """This rank's replica channel (across nodes, None: no replicas): a channel that
+        broke on any rank is broken on every rank at the next plan, so that all stop
+        sending replicas at the same round, none waits for a peer that stopped."""
+        self.tidy: dict[int, str] | None = None
+        """Rank 0: the clean-up the read path left (`store.tidy`), sent with the next
+        persist request, whose process does it before it writes."""
         nodes = config.nodes
         self.per_node = nodes.per_node if nodes is not None else groups.world_size
         self.n_nodes = nodes.n_nodes if nodes is not None else 1
@@ -161,7 +172,7 @@ class SnapshotPlanner:
             return
         for done in self.client.receive(self.in_flight, block):
             self._unshared.append(done)
-            self.reports.put(done)
+            self.reports.put(dataclasses.replace(done, manifest=None))
             if done.step == self.in_flight:
                 self.in_flight = None
         self.persist_alive = self.client.alive
@@ -186,7 +197,8 @@ class SnapshotPlanner:
             node_info[node] = self.client.generation + 1
             node_info[n + node] = int(not self.client.alive)
         counted = counts.flatten() if counts is not None else torch.zeros(0, dtype=torch.int64)
-        summed = torch.cat([counted, torch.tensor([int(rejected)]), node_info])
+        broken = int(self.replicas is not None and self.replicas.broken is not None)
+        summed = torch.cat([counted, torch.tensor([int(rejected), broken]), node_info])
         done, in_flight, choice, error = self.dist.exchange(share, summed)
         node_info = summed[-2 * n:]
         self._follow(int(node_info[self.groups.rank // self.per_node]) - 1)
@@ -195,6 +207,9 @@ class SnapshotPlanner:
         if counts is not None:
             self.ledger.add_synced(summed[:counted.numel()])
         n_rejected = int(summed[counted.numel()])
+        n_broken = int(summed[counted.numel() + 1])
+        if n_broken and self.replicas is not None:
+            self.replicas.mark_broken(f"on {n_broken} rank(s) of {self.groups.world_size}")
         # Any node's persist process gone for good stops every commit (node 0 waits for
         # every part), so every rank treats persisting as lost.
         self.persist_alive = not bool(node_info[n:].any())
@@ -202,14 +217,15 @@ class SnapshotPlanner:
             self.k_snapshot, self.chosen = choice["k_snapshot"], choice
         for result in done:
             if self.groups.rank != 0:
-                self.reports.put(result)
+                self.reports.put(dataclasses.replace(result, manifest=None))
                 if self.client.leader and not result.ok:
                     self.client.send(Abandon(result.step))  # its process may be waiting
             if result.step == self.persist_slot_step:
                 self.persist_slot = None
+            error = None if result.ok else result.error or "failed"
             if result.ok:
-                self.committed(result.step)
-            self._judge(result.step, None if result.ok else result.error or "failed")
+                error = self._committed_from(result)
+            self._judge(result.step, error)
         self.in_flight = in_flight
         return n_rejected
 
@@ -257,9 +273,10 @@ class SnapshotPlanner:
             return
         node = self.groups.rank // self.per_node
         nonce = f"{self.config.nonce}-{self._persists}"
+        tidy, self.tidy = (self.tidy, None) if node == 0 else (None, self.tidy)
         self.client.send(Persist(step, prev_step, template() if node == 0 else None,
                                  self.per_node, node, self.n_nodes, nonce,
-                                 self.groups.world_size))
+                                 self.groups.world_size, tidy))
         if node != 0:
             # Settled once the step is no longer in flight, or a newer request was made
             # (a new attempt at the same step has its own watcher).
@@ -274,10 +291,24 @@ class SnapshotPlanner:
         error, self._error = self._error, None
         return error
 
-    def committed(self, step: int) -> None:
-        """The chain continues from `step`'s manifest, just committed."""
-        # The chain's previous manifest: most of this one's entries are its, unchanged.
-        manifest = Manifest.load(self.config.root, step, known=self.chain.manifest)
+    def _committed_from(self, result: Done) -> str | None:
+        """A commit shared by rank 0: the chain continues from the manifest its persist
+        process committed, as it sent it (storage is not read back: see `Done.manifest`).
+        What is wrong with it, if anything (then the chain stays where it was)."""
+        if result.manifest is None:
+            return f"the persist of step {result.step} reported no manifest"
+        try:
+            # The chain's previous manifest: most of this one's entries are its, unchanged.
+            manifest = Manifest.decode(result.manifest.encode(),
+                                       step_dir(self.config.root, result.step) / MANIFEST,
+                                       result.step, known=self.chain.manifest)
+        except CheckpointError as e:
+            return f"the manifest committed for step {result.step} is unusable: {e}"
+        self.committed(manifest)
+        return None
+
+    def committed(self, manifest: Manifest) -> None:
+        """The chain continues from `manifest`, just committed (or restored)."""
         self.chain.advance(manifest)
         self.ledger.committed(manifest.tokens)
         if self.on_commit is not None:
@@ -299,6 +330,8 @@ class SnapshotPlanner:
         state = self.state.flatten()
         mine = None if header is None else [header.step, set(state) <= set(header.entries)]
         views = self.dist.all_gather(mine)
+        if all(v is None for v in views):
+            return None  # no snapshot since start or restore: nothing newer than storage
         if any(v is None for v in views) or any(v[0] != views[0][0] for v in views):
             return "no snapshot of the same step on every rank"
         step = views[0][0]
@@ -321,7 +354,9 @@ class SnapshotPlanner:
             ledger.load_json(header.meta["ledger"])  # the counts as of that snapshot
             return chain.template(step, mode=self.config.mode, layout=header.meta["layout"],
                                   model_meta=self.config.model_meta, extra=header.meta["extra"],
-                                  written=chain.all_experts(), ledger=ledger)
+                                  written=chain.all_experts(), ledger=ledger,
+                                  run={"id": self.config.run_id,
+                                       "line": header.meta.get("line", [])})
 
         self._send_persist(step, m.step if m is not None else None, template)
         self.client.send(Ready(g.rank, step, self.newest_slot, write, list(header.entries)))
@@ -332,18 +367,22 @@ class SnapshotPlanner:
 
     def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
              final: bool = False, rejected: str | None = None,
-             captured: dict[str, torch.Tensor] | None = None) -> SnapshotJob:
+             captured: dict[str, torch.Tensor] | None = None,
+             run: dict[str, Any] | None = None) -> SnapshotJob:
         """On the snapshot thread: what `step`'s snapshot copies and where, and its
         persist request. Collective (one small all-reduce). `final`: every expert is
         snapshotted and persisted, after the persist in flight. `rejected`: why this
         rank's save arguments were refused; the plan then fails on every rank.
-        `captured`: the buffers and param groups taken at `save()` (`RankState.capture`)."""
+        `captured`: the buffers and param groups taken at `save()` (`RankState.capture`).
+        `run`: the run id and lineage the snapshot and its manifest record, as they
+        were at `save()` (`EngineParts.run`)."""
         with self.lock:
-            return self._plan(step, counts, rng, extra, final, rejected, captured)
+            return self._plan(step, counts, rng, extra, final, rejected, captured,
+                              run or {"id": self.config.run_id, "line": []})
 
     def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
               final: bool, rejected: str | None,
-              captured: dict[str, torch.Tensor] | None) -> SnapshotJob:
+              captured: dict[str, torch.Tensor] | None, run: dict[str, Any]) -> SnapshotJob:
         g, chain, ledger, cfg = self.groups, self.chain, self.ledger, self.config
         n_rejected = self.share(block=final or cfg.persist_policy == "wait", counts=counts,
                                 rejected=rejected is not None)
@@ -374,7 +413,8 @@ class SnapshotPlanner:
         layout = {"world_size": g.world_size, "ep": g.layout.ep}
         meta = {"extra": extra, "ledger": ledger.to_json(), **ledger.policy_json(),
                 "snap_index": self.snap_index, "k_snapshot": self.k_snapshot,
-                "model": cfg.model_meta, "layout": layout, "run_id": cfg.run_id}
+                "model": cfg.model_meta, "layout": layout, "run_id": cfg.run_id,
+                "line": run["line"]}
         outcome = PlanOutcome(ledger.k, written, not persist_now,
                               None if self.persist_alive else PERSIST_GONE, self.k_snapshot,
                               self.chosen)
@@ -400,6 +440,6 @@ class SnapshotPlanner:
                 step, chain.manifest.step if chain.manifest is not None else None,
                 lambda: chain.template(step, mode=cfg.mode, layout=layout,
                                        model_meta=cfg.model_meta, extra=extra,
-                                       written=written, ledger=ledger))
+                                       written=written, ledger=ledger, run=run))
         return SnapshotJob(slot, snapshot_keys(state, experts, chain.stems, set(write)), meta,
                            sizing=state, on_done=on_done, on_error=on_error, outcome=outcome)

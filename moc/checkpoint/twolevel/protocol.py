@@ -21,7 +21,7 @@ older one cannot speak to the new one.
     rank r -> persist    Failed(rank, step, error)    its snapshot of `step` failed: the
                                                       persist of `step` must not wait for it
     leader -> persist    Persist(step, prev_step, template, world_size, node, n_nodes,
-                                 nonce, global_world)
+                                 nonce, global_world, tidy)
                                                       persist `step` once every rank of the
                                                       node is Ready; node 0's process also
                                                       commits it, chained to `prev_step`,
@@ -29,9 +29,11 @@ older one cannot speak to the new one.
                                                       (`twolevel.commit`)
     leader -> persist    Abandon(step)                `step` failed: stop waiting for it
     leader -> persist    Stop()                       the job is closing
-    persist -> leader    Done(step, ok, error, seconds, bytes_per_rank, phases)
+    persist -> leader    Done(step, ok, error, seconds, bytes_per_rank, phases, manifest)
                                                       `step` was committed (ok) or given up
-                                                      (node j > 0: its part was written)
+                                                      (node j > 0: its part was written);
+                                                      node 0's carries the manifest it
+                                                      committed
 
 A node's leader is its local rank 0; "rank 0" below means the leader of each node for
 its own process, and global rank 0 (node 0's leader) for the commit's result.
@@ -58,7 +60,11 @@ from typing import Any
 SECRET_BYTES = 32
 """Length of a persist process's random secret (its HMAC key)."""
 MAX_MESSAGE_BYTES = 64 << 20
-"""The largest frame either end accepts: a Persist's template names every key."""
+"""The largest frame either end accepts: a Persist's template names every key. A Done
+may carry a manifest on top (`MAX_DONE_BYTES`)."""
+MAX_DONE_BYTES = MAX_MESSAGE_BYTES + (1 << 30)
+"""The largest Done a leader accepts from its own persist process: a message and a
+manifest (at most `manifest.MAX_MANIFEST_BYTES`)."""
 MAX_RESTARTS = 3
 """How many times rank 0 starts a new persist process after one died, per job: a crash
 of the process (a bug, an OOM kill) should not end durable checkpointing, but one that
@@ -109,6 +115,10 @@ class Persist:
     (`twolevel.commit`)."""
     global_world: int = 0
     """Ranks of the whole job (0: `world_size`), for Done's bytes_per_rank."""
+    tidy: dict[int, str] | None = None
+    """Node 0, the first request after the engine started or restored: the clean-up the
+    read path left for the write path (`store.tidy`: corrupt steps to set aside, by step,
+    and abandoned directories), done by the process before it writes this step."""
 
 
 @dataclass(frozen=True)
@@ -134,3 +144,8 @@ class Done:
     phases: dict[str, list[float]] | None = None
     """Where the persist's time went: {phase: [wall s, CPU s, page faults]}
     (`Phases.to_dict`)."""
+    manifest: str | None = None
+    """Node 0, a committed step: the manifest's JSON as committed. The chain continues
+    from it on every rank without reading storage back: a plan runs while training may
+    wait for it, and a store that hangs or fails (an outage, an NFS server gone) must
+    slow the persist down, never a training step (issue 29)."""

@@ -139,6 +139,34 @@ def test_two_level_persists_to_s3_from_the_persist_process_and_restores_bitwise(
 
 
 @pytest.mark.integration
+def test_closing_after_a_partial_persist_of_the_newest_step_completes_it_on_s3(
+        s3_url, tmp_path, monkeypatch):
+    """close() persists the newest step again, complete, chained to that same step's
+    partial manifest. On an object store beginning a step deletes its objects, manifest
+    first, and the persist read the manifest it chains from only after that: the final
+    checkpoint failed with "manifest is missing" (found while attacking issue 29)."""
+    from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+
+    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, s3_url, policy=PECPolicy(k=1), interval=2,
+                                persist_policy="wait")
+    for step in range(1, 5):
+        ckpt.wait_for_snapshot()
+        ckpt.record_routing(_step(model, opt, step))
+        ckpt.maybe_save(step, {"step": step})
+    ckpt.flush()
+    assert Manifest.load(open_root(s3_url), 4).experts_saved["0"] != list(range(4))
+    ckpt.close()  # the newest step again, with every expert
+    manifest = Manifest.load(open_root(s3_url), 4)
+    assert all(ids == list(range(4)) for ids in manifest.experts_saved.values())
+    assert verify_checkpoints(s3_url).ok
+    report, fresh = _restored(s3_url)
+    assert report.step == 4
+    _assert_same((model, opt), fresh)
+
+
+@pytest.mark.integration
 def test_a_persist_process_killed_before_the_manifest_leaves_that_step_unread(
         s3_url, tmp_path, monkeypatch):
     from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
@@ -216,8 +244,12 @@ def test_a_crash_between_the_objects_and_the_manifest_leaves_the_step_unread(s3_
 def test_recommitting_a_step_replaces_it_whole(s3_url):
     saved = _train_and_save(s3_url, 2, policy=PECPolicy(k=1))
     first = (step_dir(open_root(s3_url), 2) / rank_file(0)).read_bytes()
-    model, opt = _build(5)  # a different state, committed again as step 2
+    model, opt = _build(5)
     ckpt = Checkpointer(model, opt, s3_url, interval=1)
+    ckpt.restore()  # a step is saved again only by the line that restored or saved it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # a different state, committed again as step 2
     ckpt.save(2, {"step": 2}, final=True)
     ckpt.close()
     assert (step_dir(open_root(s3_url), 2) / rank_file(0)).read_bytes() != first
