@@ -14,6 +14,7 @@ from moc.checkpoint.errors import (
 )
 from moc.checkpoint.export import ExportReport, export
 from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.sync import Checkpointer
@@ -24,5 +25,6 @@ __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
            "CorruptCheckpointError", "ExpertSpec", "ExportReport",
-           "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "RecoveryReport",
+           "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "Preemption",
+           "RecoveryReport",
            "RoutingRecorder", "TwoLevelCheckpointer", "export", "init_distributed"]

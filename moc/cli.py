@@ -20,6 +20,11 @@ from moc.train.config import TrainConfig
 DEMO_DIR = Path("runs/demo")
 
 
+class RunComplete(Exception):
+    """`moc train` of a run whose checkpoint directory is already at --steps: nothing to
+    do, and nothing wrong (a scheduler that starts a finished job again)."""
+
+
 def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
     """Everything that can be checked before starting processes, so that bad input gets
     one clear line instead of a traceback from every rank. `nproc` ranks on each of
@@ -63,6 +68,11 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
             raise ValueError(f"--k-persist {cfg.k_persist} is more than the "
                              f"{cfg.model.n_experts} experts per MoE layer of --config "
                              f"{cfg.preset}; use at most {cfg.model.n_experts}, or 'all'")
+        if isinstance(cfg.k_snapshot, int) and cfg.k_snapshot > cfg.model.n_experts:
+            raise ValueError(f"--k-snapshot {cfg.k_snapshot} is more than the "
+                             f"{cfg.model.n_experts} experts per MoE layer of --config "
+                             f"{cfg.preset}; use at most {cfg.model.n_experts}, 'all' or "
+                             "'auto'")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, complete_dcp_steps
         from moc.checkpoint.store.backend import ObjectPath, open_root
@@ -88,19 +98,37 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
         # A DCP step's model is not checked here: reading it means unpickling its
         # `.metadata`, which moc's own code never does (see moc.baselines.dcp); the
         # restore reports a different model on every rank instead.
+        if cfg.resume_step is not None and cfg.resume_step not in steps:
+            from moc.checkpoint.recovery import describe_steps
+
+            raise ValueError(f"--resume-step {cfg.resume_step}: {root} holds no complete "
+                             f"checkpoint of that step (complete steps: "
+                             f"{describe_steps(steps)})")
         if steps and not dcp:
             Manifest.load(root, steps[-1]).check_model(
                 cfg.model.to_dict(), f"checkpoint {cfg.ckpt_dir}/step-{steps[-1]:08d}")
+            resumes_at = steps[-1] if cfg.resume_step is None else cfg.resume_step
+            if resumes_at > cfg.steps:
+                raise ValueError(
+                    f"the run in {cfg.ckpt_dir} is already at step {resumes_at}, past "
+                    f"--steps {cfg.steps}: nothing to train; raise --steps to go on, "
+                    "--resume-step S to roll back to step S, or use another --ckpt-dir")
+            if resumes_at == cfg.steps:
+                raise RunComplete(f"the run in {cfg.ckpt_dir} is already complete at step "
+                                  f"{resumes_at} (--steps {cfg.steps}): nothing to train")
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Start `args.nproc` workers under torchrun (restarting them on faults); with
     `--nodes N` > 1, N torchrun agents, one per simulated node (moc.train.nodes)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from moc.train.agent import run_agent
 
     cfg = config_from_args(args)
-    check_train_config(cfg, args.nproc, args.nodes)
+    try:
+        check_train_config(cfg, args.nproc, args.nodes)
+    except RunComplete as e:
+        print(f"moc train: {e}", file=sys.stderr)
+        return 0
     args.device = cfg.device  # every worker trains where the launcher decided
     # Each rank gets its share of the cores; also silences torchrun's warning.
     ranks = args.nodes * args.nproc
@@ -109,17 +137,28 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from moc.train.nodes import run_nodes
 
         return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
-                         gpus=args.nproc if cfg.device == "cuda" else 0)
+                         gpus=args.nproc if cfg.device == "cuda" else 0,
+                         shutdown_s=shutdown_timeout(cfg.grace_s))
     torchrun_argv = ["--standalone", "--nproc-per-node", str(args.nproc),
                      "--max-restarts", str(args.max_restarts),
+                     # On SIGTERM/SIGINT torchrun forwards the signal to the workers and
+                     # kills them after this long: first they stop at a step boundary and
+                     # take a final checkpoint, within --grace-s (moc.Preemption).
+                     "--shutdown-timeout", str(shutdown_timeout(cfg.grace_s)),
                      "--module", "moc.train", *worker_argv(args, parser)]
-    try:
-        run(get_args_parser().parse_args(torchrun_argv))
-    except ChildFailedError as e:
-        failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in e.failures.items())
-        print(f"moc train: error: workers failed ({failures})", file=sys.stderr)
-        return 1
-    return 0
+    # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they
+    # stopped; the agent only reports the signal in its status (moc.train.agent).
+    return run_agent(torchrun_argv)
+
+
+SHUTDOWN_MARGIN_S = 15
+"""Beyond --grace-s, how long torchrun waits for workers after forwarding a signal: a
+worker whose grace period ran out exits at once (os._exit), this only covers that."""
+
+
+def shutdown_timeout(grace_s: float) -> int:
+    """torchrun's `--shutdown-timeout` (whole seconds) for workers given `grace_s`."""
+    return int(grace_s + 0.999) + SHUTDOWN_MARGIN_S
 
 
 def demo() -> int:
@@ -212,7 +251,7 @@ def parse_size(text: str) -> int:
     return int(value * SIZE_UNITS[unit])
 
 
-BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile")
+BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
 
@@ -261,7 +300,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="replace OUT when it is not empty")
     bench = sub.add_parser("bench", add_help=False,
                            help=f"benchmarks: `moc bench {{{','.join(BENCHMARKS)}}} --help`")
-    bench.add_argument("what", choices=BENCHMARKS)
+    bench.add_argument("what", choices=BENCHMARKS, help="the benchmark to run")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     simulate = sub.add_parser("simulate", add_help=False,
                               help="effective training time and the best checkpoint "
@@ -274,18 +313,23 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print("usage: moc bench {size,overhead,accuracy,persist,profile} [options]\n\n"
+        print("usage: moc bench {size,overhead,accuracy,persist,profile,outage} [options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
               "  accuracy  validation loss and PLT under recurring faults\n"
               "  persist   persist time to an S3 server vs local disk, K=1 and K=N\n"
+              "  outage    step times while the S3 server is stopped mid-run\n"
               "  profile   where one checkpoint's wall and CPU time goes, phase by phase\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:
         # A leading REMAINDER positional would swallow nothing that starts with "--".
         argv = ["simulate", "--", *argv[1:]]
-    args = parser.parse_args(argv)
+    # Unknown options are reported by the subcommand's own parser, with its usage: the
+    # top-level usage (`moc [-h] {train,...}`) says nothing about what `moc train` takes.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command in ("bench", "simulate"):
             what = "simulate" if args.command == "simulate" else args.what

@@ -8,6 +8,8 @@ tests/test_dependencies.py).
     spec.py         which parameters are experts; stable keys
     state.py        a rank's state flattened under those keys, and installed back
     parts.py        the parts every engine is built from
+    lineage.py      which line of training a checkpoint is; saves that never go back
+    preemption.py   SIGTERM/SIGINT: stop at an agreed step boundary, a final checkpoint
     policy/         what is saved: PEC selection; the token ledger (PLT, Dynamic-K)
     plan/           who writes what: write units, their assignment, the chain
     store/          how it lands: tensor files, step directories, manifest, retention,

@@ -1,4 +1,18 @@
-"""Worker entry point: `torchrun --nproc-per-node N -m moc.train [options]`."""
+"""Worker entry point: `torchrun --nproc-per-node N -m moc.train [options]`.
+
+How a worker ends, and why each way ends the way it does:
+
+- it trained every step, or SIGTERM/SIGINT stopped it at an agreed step with a final
+  checkpoint (`moc.Preemption`): the engine is closed (collective: every rank is here),
+  rank 0 prints the one line, and the process exits normally (0, or 128 + the signal's
+  number after a preemption, as a shell reports a process a signal stopped);
+- a bad argument, a checkpoint error or a lost peer: one line, then `os._exit` with
+  the status. Nothing is closed: the other ranks may never reach a collective again, and
+  the snapshots in shared memory are what a restart recovers from. Nor is Python's own
+  teardown run: with a peer gone and the snapshot thread or gloo's threads still inside a
+  collective, destroying the process groups at exit aborted the worker (SIGABRT, exit
+  -6, issue 29) instead of letting it report its error.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +20,67 @@ import argparse
 import os
 import re
 import sys
+from typing import NoReturn
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.preemption import Preemption, exit_status
 from moc.train.cli_args import add_train_args, config_from_args
-from moc.train.loop import Trainer
+from moc.train.loop import NothingToTrain, Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moc.train", description="moc training worker")
     add_train_args(parser, launcher=False)
     args = parser.parse_args(argv)
+    # First of all: a signal from now on is a request to stop at a step boundary, not a
+    # KeyboardInterrupt or a death where the process stands.
+    preemption = Preemption(grace_s=args.grace_s if args.grace_s > 0 else None)
+    trainer = None
     try:
-        trainer = Trainer(config_from_args(args))
-        trainer.run()
-        # Collective: only when every rank got here. After a failure the ranks must not
-        # wait on each other, and the snapshots in shared memory are what a restarted
-        # job recovers from, so nothing is cleaned up.
+        trainer = Trainer(config_from_args(args), preemption)
+        result = trainer.run()
+        # Collective: only when every rank got here.
         trainer.close()
+    except NothingToTrain as e:
+        assert trainer is not None
+        trainer.close()  # every rank raised it, at the same point
+        return _leave(2, f"moc train: error: {e}")
     except (ValueError, CheckpointError) as e:
-        print(f"moc train: error: {e}", file=sys.stderr)
-        return 2
+        return _leave(2, f"moc train: error: {e}")
     except RuntimeError as e:
         # A peer died (a fault): gloo reports it as a broken connection. Say so in one
         # line and exit; torchrun restarts the whole job if --max-restarts allows.
         if "Connection" not in str(e):
             raise
         reason = re.search(r"Connection[^.\n]*", str(e))
-        print(f"moc train: rank {os.environ.get('RANK', '?')} lost a peer "
-              f"({reason.group(0) if reason else 'connection error'}); exiting",
-              file=sys.stderr)
-        return 1
-    return 0
+        return _leave(1, f"moc train: rank {os.environ.get('RANK', '?')} lost a peer "
+                         f"({reason.group(0) if reason else 'connection error'}); exiting")
+    if result.preempted is None:
+        return 0
+    sig = preemption.agreed  # maybe another rank's: this one may have received none
+    assert sig is not None
+    line = None
+    if trainer.is_main:
+        if trainer.checkpointer is None:
+            where = "there is no checkpoint directory (--ckpt-dir), nothing was saved"
+        elif result.final_error is not None:
+            where = f"its final checkpoint failed: {result.final_error}"
+        else:
+            where = f"checkpoint {result.preempted} is on storage"
+        line = f"moc train: preempted ({sig.name}) at step {result.preempted}: {where}"
+    # At once: torchrun signals the other workers as soon as one has exited with a
+    # signal's status, and Python's teardown puts the default handlers back, under which
+    # that signal would end a worker done with its work as killed (-15).
+    _leave(exit_status(sig), line)
+
+
+def _leave(status: int, line: str | None) -> NoReturn:
+    """Print `line` and end the process now, with `status` (see the module docstring)."""
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

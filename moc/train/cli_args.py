@@ -25,7 +25,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (default: the largest "
                                           "dividing both ranks and experts)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and of the data order (default 0)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="where the model trains: cuda (NCCL, GPU LOCAL_RANK) or cpu "
                         "(gloo); default cuda when there is a GPU for every rank")
@@ -69,7 +70,9 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="pec: which expert state is partial (paper's W, O, WO)")
     p.add_argument("--dynamic-k", action="store_true",
                    help="pec: double K after a recovery whose PLT exceeds --plt-threshold")
-    p.add_argument("--plt-threshold", type=float, default=0.0375)
+    p.add_argument("--plt-threshold", type=float, default=0.0375,
+                   help="pec: the PLT (portion of lost tokens) above which --dynamic-k "
+                        "doubles K (default 0.0375, the paper's accuracy budget)")
     p.add_argument("--no-shard", action="store_true",
                    help="pec: keep the baseline placement (rank 0 + EP group 0 write) "
                         "instead of every rank writing an equal share")
@@ -80,7 +83,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                                                "(first attempt only)")
     p.add_argument("--fault-every", type=int, help="SIGKILL --fault-rank at every multiple "
                    "of this many steps (needs --max-restarts of at least steps / F)")
-    p.add_argument("--fault-rank", type=int, default=0)
+    p.add_argument("--fault-rank", type=int, default=0,
+                   help="the rank --fault-at / --fault-every kill (default 0)")
     p.add_argument("--fault-kind", choices=["process", "node", "persist"], default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode moc)")
@@ -88,6 +92,15 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="with --fault-kind node: lose node J (torchrun's GROUP_RANK) "
                         "instead of --fault-rank's: its persist process and every rank "
                         "are SIGKILLed and its node-local memory wiped")
+    p.add_argument("--resume-step", type=int, metavar="S",
+                   help="roll back: resume from complete step S on storage instead of the "
+                        "newest, and set the newer steps aside (step-N.rolledback); the "
+                        "first attempt only (a restart after a fault resumes normally)")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="on SIGTERM or SIGINT (preemption, Ctrl-C) every rank stops at the "
+                        "next step boundary and takes a final complete checkpoint; after "
+                        "this many seconds the job exits anyway, and a second signal exits "
+                        "at once (default 30)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on a terminal: a plain line every 10%% of the steps, "
                         "as in a log (the default when stderr is not a terminal or CI is set)")
@@ -132,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         k_replica=_int_or(args.k_replica, "--k-replica", ("all", "none")),
         replica_jump=args.replica_jump,
         replica_rate=args.replica_rate, fault_node=args.fault_node,
+        grace_s=args.grace_s, resume_step=args.resume_step,
         device=args.device or default_device(_ranks_here(args)))
 
 

@@ -125,6 +125,14 @@ class TrainConfig:
     progress: bool = True
     """A progress bar with the ETA on rank 0 when stderr is a terminal (not under CI);
     False (`--no-progress`) keeps the plain line every 10%, as in a log."""
+    grace_s: float = 30.0
+    """On SIGTERM or SIGINT every rank stops at an agreed step boundary and takes a final
+    complete checkpoint; if that is not durable this many seconds after the signal, the
+    job exits anyway (what is durable stays so). A second signal exits at once."""
+    resume_step: int | None = None
+    """Roll back: resume from this complete step on storage instead of the newest, and
+    set the newer steps aside (first attempt only: a restart after a fault resumes from
+    the newest step of the rolled-back run)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "ckpt_interval", "eval_batches"):
@@ -180,6 +188,17 @@ class TrainConfig:
             raise ValueError(f"--fault-node {self.fault_node} loses a whole node: it needs "
                              f"--fault-kind node (got {self.fault_kind}) and a node index "
                              ">= 0")
+        if not self.grace_s > 0:
+            raise ValueError(f"--grace-s must be > 0 seconds, got {self.grace_s}")
+        if self.resume_step is not None and self.resume_step < 0:
+            raise ValueError(f"--resume-step must be a step >= 0, got {self.resume_step}")
+        if self.resume_step is not None and self.ckpt_dir is None:
+            raise ValueError("--resume-step rolls a checkpoint directory back: give its "
+                             "--ckpt-dir")
+        if self.resume_step is not None and self.ckpt_mode in ("none", "dcp-sync",
+                                                               "dcp-async"):
+            raise ValueError(f"--resume-step rolls a moc checkpoint directory back; "
+                             f"--ckpt-mode {self.ckpt_mode} cannot")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, "
                              f"got {self.device!r}")

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
 from moc.baselines.dcp import DCP_MODES, DCPCheckpointer
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult
+from moc.checkpoint.dist import Dist
 from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.slots import default_job_id, remove_job, shm_root
@@ -122,6 +124,11 @@ def _mean_over_ranks(value: torch.Tensor, groups: ParallelGroups) -> float:
     return value.item()
 
 
+class NothingToTrain(ValueError):
+    """The checkpoint directory's run is already past the steps asked for (raised on every
+    rank, after the restore: the engine is still to be closed)."""
+
+
 @dataclass
 class RunResult:
     steps: int
@@ -131,10 +138,16 @@ class RunResult:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     """The checkpoint events of this attempt."""
     resumed_from: int | None = None
+    preempted: int | None = None
+    """The step at which a SIGTERM or SIGINT stopped the run (None: it was not)."""
+    final_error: str | None = None
+    """Why the run's final checkpoint did not reach storage (None: it did, or none)."""
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, preemption: Preemption | None = None) -> None:
+        """`preemption`: SIGTERM and SIGINT caught (made before this, so that a signal
+        while the job starts is a request to stop, not a traceback); None: not caught."""
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
         if cfg.device == "cuda":
@@ -144,6 +157,7 @@ class Trainer:
         init_distributed(cfg.device)
         torch.use_deterministic_algorithms(True)
         self.cfg = cfg
+        self.preemption = preemption
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
         self.rank = self.groups.rank
@@ -188,10 +202,8 @@ class Trainer:
         another node re-joins restarts them uncounted), and any restart after a fault
         has at least one agent counting it."""
         mine = {"node": node_rank(), "shm_root": str(shm_root()), "restart": restart_count()}
-        everyone = [mine]
-        if self.groups.distributed:
-            everyone = [{} for _ in range(self.groups.world_size)]
-            dist.all_gather_object(everyone, mine, group=self.groups.side_group)
+        # moc's codec, never pickle (`all_gather_object`): docs/THREAT_MODEL.md.
+        everyone = Dist(self.groups).all_gather(mine)
         attempt = max(r["restart"] for r in everyone)
         self.metrics.emit("placement", attempt=attempt, device=self.cfg.device,
                           nodes=[r["node"] for r in everyone],
@@ -244,9 +256,15 @@ class Trainer:
         if self.is_main and self.cfg.metrics:
             steps = [e["step"] for e in read_events(self.cfg.metrics) if e["event"] == "step"]
             last_seen = max(steps) if steps else None
-        result = self.checkpointer.restore()
+        # A rollback is the first attempt's: a restart after a fault continues the
+        # rolled-back run from its newest step, not from the rollback's step again.
+        rollback = self.cfg.resume_step if self.attempt == 0 else None
+        result = self.checkpointer.restore(rollback)
         if result is None:
             return None
+        if rollback is not None:
+            progress.message(f"rolled back to step {result.step} (--resume-step); the newer "
+                             "steps are set aside as step-N.rolledback")
         self.step = result.extra["step"]
         self.sampler.load_state_dict(result.extra["sampler"])
         for reason in result.skipped:
@@ -303,9 +321,19 @@ class Trainer:
         t0 = time.perf_counter()
         progress = StepProgress(cfg.steps, enabled=self.is_main, bar=False)  # messages
         resumed_from = self.restore(progress)
+        result = RunResult(cfg.steps, float("nan"), float("nan"), 0.0, resumed_from=resumed_from)
+        if self.step > cfg.steps:
+            raise NothingToTrain(
+                f"the run in {cfg.ckpt_dir} is already at step {self.step}, past --steps "
+                f"{cfg.steps}: nothing to train; raise --steps to go on, --resume-step S to "
+                "roll back to step S, or use another --ckpt-dir")
+        if self.step == cfg.steps and resumed_from is not None:
+            progress.message(f"the run in {cfg.ckpt_dir} is already complete at step "
+                             f"{self.step} (--steps {cfg.steps}): nothing to train")
+            result.final_loss = result.val_loss = float("nan")
+            return result
         progress = StepProgress(cfg.steps, start=self.step, enabled=self.is_main,
                                 bar=cfg.progress)
-        result = RunResult(cfg.steps, float("nan"), float("nan"), 0.0, resumed_from=resumed_from)
         loss = float("nan")
         self.model.train()
         while self.step < cfg.steps:
@@ -314,9 +342,12 @@ class Trainer:
                                self.attempt)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
+            # Every rank, every step: whether a SIGTERM or SIGINT reached any rank. The
+            # answer is agreed, so every rank stops at this same step.
+            stop = self.preemption is not None and self.preemption.should_stop()
             # Nothing checkpoint-related is built on steps that do not checkpoint.
             ckpt = self.checkpointer
-            final = self.step == cfg.steps  # the run's last checkpoint is complete
+            final = self.step == cfg.steps or stop  # the run's last checkpoint is complete
             if ckpt is not None and (cfg.checkpoints_at(self.step) or final):
                 ckpt.save(self.step, self.extra_state(), final=final)
             # The whole iteration, checkpoint work included: what throughput is made of.
@@ -330,22 +361,30 @@ class Trainer:
                 for res in ckpt.drain_completed():
                     note = self._report(result, res, progress)
             progress.update(self.step, loss, note)
+            if stop:
+                result.preempted = self.step
+                break
         progress.close()  # a run resumed at its last step never reached an update
         if self.checkpointer is not None:
             self.checkpointer.flush()
             for res in self.checkpointer.drain_completed():
                 self._report(result, res, progress)
-        self.model.eval()
         result.final_loss = loss
-        result.val_loss = self.validate()
+        if result.preempted is None:  # a preempted job has seconds left, not a validation
+            self.model.eval()
+            result.val_loss = self.validate()
         result.wall_s = time.perf_counter() - t0
         memory: dict[str, Any] = {
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.checkpointer is not None:
             memory.update(self.checkpointer.host_memory())
+        if result.preempted is not None:
+            agreed = self.preemption.agreed if self.preemption is not None else None
+            self.metrics.emit("preempted", step=result.preempted,
+                              signal=agreed.name if agreed is not None else None)
         self.metrics.emit("summary", steps=self.step, final_loss=result.final_loss,
                           val_loss=result.val_loss, wall_s=result.wall_s, **memory)
-        if self.is_main:
+        if self.is_main and result.preempted is None:
             progress.message(self.summary(result))
         return result
 
@@ -361,6 +400,8 @@ class Trainer:
             progress.message(f"K_snapshot = {res.k_snapshot} (auto){why}")
         event = res.event()
         error = event.pop("error")
+        if error and event["step"] == self.step:
+            result.final_error = error
         if error:
             self.metrics.emit("checkpoint_failed", step=event["step"], error=error)
             progress.message(f"checkpoint of step {event['step']} failed, training goes on "
@@ -391,11 +432,16 @@ class Trainer:
         return "\n" + table(rows, "moc train summary")
 
     def close(self) -> None:
+        """Collective: close the engine (the final checkpoint durable, its shared memory
+        removed), finish the last preemption round (on a group about to go), then the
+        process groups. Signals are still caught until the process exits (`main`)."""
         if self.routing is not None:
             self.routing.remove()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()
+        if self.preemption is not None:
+            self.preemption.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -7,11 +7,18 @@ simulated node: a node fault (`--fault-kind node --fault-node J`) wipes only nod
 The run's simulated machines, and their memory, are gone when the launcher returns: it
 removes the directory. With CUDA, node i sees only its own GPUs (CUDA_VISIBLE_DEVICES),
 so that no two ranks of the job share a device.
+
+The directory (`moc-nodes-*`, beside jobs' `moc-*` directories) records the launcher as
+its owner, as a job's directory does, so another job's clean-up of stale shared memory
+leaves it alone while the launcher runs, however long, and removes it once the launcher
+is gone. The agents die with the launcher, even by SIGKILL (`die_with_parent`): a node
+never trains on unsupervised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -21,7 +28,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+
+from moc.checkpoint.twolevel.slots import record_owner
 
 GRACE_S = 30.0
 """After one agent fails, how long the others get to notice (their workers lose a peer
@@ -42,20 +52,63 @@ def free_port() -> int:
 def sim_root() -> Path:
     """A fresh directory only this user can enter (0700), for the nodes' memory: under
     $MOC_SHM_ROOT if set, else /dev/shm (tmpfs, as a node's snapshots are), else the
-    temporary directory."""
+    temporary directory. This process is recorded as its owner (`slots.record_owner`):
+    without that record another job's `remove_stale_jobs` would take it for abandoned
+    an hour after its creation (its mtime never changes) and delete the nodes' memory
+    under the running job. OSError when the record cannot be written (the directory is
+    removed then)."""
     base = os.environ.get("MOC_SHM_ROOT") or ("/dev/shm" if os.path.isdir("/dev/shm")
                                               else None)
-    return Path(tempfile.mkdtemp(prefix="moc-nodes-", dir=base))
+    root = Path(tempfile.mkdtemp(prefix="moc-nodes-", dir=base))
+    try:
+        record_owner(root, os.getpid())
+    except OSError:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return root
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when its parent (the thread that forked it) dies."""
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when this process dies, however
+    it dies (SIGKILL included, where no handler of ours runs): torchrun stops its
+    workers on SIGTERM, so no simulated node trains on without its launcher. None where
+    prctl is not there (not Linux): then only a launcher that exits normally or on
+    SIGINT/SIGTERM stops its agents.
+
+    The signal follows the thread that started the child, so agents are started from
+    the launcher's main thread, which lives as long as it does. A launcher that died
+    between the fork and the prctl would never send it: the child checks that its parent
+    is still the launcher and exits otherwise."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher is already gone: no signal will come
+            os._exit(1)
+    return preexec
 
 
 def agent_argv(nodes: int, nproc: int, max_restarts: int, endpoint: str, run_id: str,
-               worker: list[str]) -> list[str]:
+               worker: list[str], shutdown_s: int = 30) -> list[str]:
     """The torchrun command line of one simulated node (the same for every node: c10d
-    gives each its node rank)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+    gives each its node rank), run by `moc.train.agent` (torchrun, ending in one line).
+    `shutdown_s`: how long it gives its workers, once it forwarded a signal to them,
+    before it kills them."""
+    return [sys.executable, "-m", "moc.train.agent", "--nnodes", str(nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--max-restarts", str(max_restarts), "--module", "moc.train", *worker]
+            "--max-restarts", str(max_restarts), "--shutdown-timeout", str(shutdown_s),
+            "--module", "moc.train", *worker]
 
 
 def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
@@ -72,32 +125,50 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
-              gpus: int = 0) -> int:
+              gpus: int = 0, shutdown_s: int = 30) -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
-    to end on their own, then are terminated; Ctrl-C terminates all. `gpus`: GPUs per
-    node to hand out (0: the CPU)."""
-    root = sim_root()
+    to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
+    CPU).
+
+    A SIGTERM or SIGINT of the launcher (a scheduler, Ctrl-C) is forwarded once to every
+    agent, which forwards it to its workers: they stop at a step boundary with a final
+    checkpoint (`moc.Preemption`), and get `shutdown_s` for it before the agents kill
+    them, and the launcher then kills what is left; it exits with 128 + the signal's
+    number. A second signal kills everything at once. The agents run in sessions of
+    their own, so a terminal's Ctrl-C reaches them through the launcher alone (twice
+    would read as "again: at once"), and die with the launcher however it dies
+    (`die_with_parent`)."""
+    try:
+        root = sim_root()
+    except OSError as e:
+        print(f"moc train: error: cannot make the simulated nodes' memory under "
+              f"{os.environ.get('MOC_SHM_ROOT') or '/dev/shm'}: {e.strerror or e}; free "
+              "some, or point MOC_SHM_ROOT at a larger tmpfs", file=sys.stderr)
+        return 1
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = f"moc-{uuid.uuid4().hex[:12]}"
     agents: list[subprocess.Popen] = []
-    # SIGTERM (a scheduler stopping the job) stops the nodes as Ctrl-C does.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    signals = _Signals()
+    previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for node in range(nodes):
             (root / f"node-{node}").mkdir(mode=0o700)
             agents.append(subprocess.Popen(
-                agent_argv(nodes, nproc, max_restarts, endpoint, run_id, worker),
-                env=node_env(root, node, nproc, gpus)))
-        codes = _wait(agents)
-    except KeyboardInterrupt:
-        _terminate(agents)
-        print("moc train: interrupted; every simulated node stopped", file=sys.stderr)
-        return 130
+                agent_argv(nodes, nproc, max_restarts, endpoint, run_id, worker, shutdown_s),
+                env=node_env(root, node, nproc, gpus), preexec_fn=die_with_parent(),
+                start_new_session=True))
+        codes = _wait(agents, signals, shutdown_s + TERMINATE_S)
     finally:
         _terminate(agents)  # a no-op once all have exited
         shutil.rmtree(root, ignore_errors=True)
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if signals.first is not None:
+        if signals.forced:
+            print(f"moc train: {signals.first.name} again: every simulated node killed",
+                  file=sys.stderr)
+        return 128 + int(signals.first)
     failed = [f"node {i}: exit {c}" for i, c in enumerate(codes) if c != 0]
     if failed:
         print(f"moc train: error: simulated nodes failed ({'; '.join(failed)})",
@@ -106,17 +177,47 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Signals:
+    """The launcher's SIGTERM and SIGINT, recorded for `_wait` (a handler that raised
+    would leave the agents unforwarded mid-start)."""
+
+    REPEAT_S = 2.0
+    """A repeat within this long is the same request (moc.checkpoint.preemption)."""
+
+    def __init__(self) -> None:
+        self.first: signal.Signals | None = None
+        self.forced = False
+        self._at = 0.0
+
+    def handle(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self._at = signal.Signals(signum), now
+        elif now - self._at > self.REPEAT_S:
+            self.forced = True
 
 
-def _wait(agents: list[subprocess.Popen]) -> list[int]:
-    """Every agent's exit status; after the first failure the rest have GRACE_S."""
-    deadline = None
+def _wait(agents: list[subprocess.Popen], signals: _Signals, stop_s: float) -> list[int]:
+    """Every agent's exit status; after the first failure the rest have GRACE_S. A
+    signal of the launcher is forwarded to every agent once; they then have `stop_s`
+    (a second signal: none) before they are killed."""
+    deadline = stop_by = None
+    forwarded = False
     while any(a.poll() is None for a in agents):
+        now = time.monotonic()
+        if signals.first is not None and not forwarded:
+            for a in agents:
+                if a.poll() is None:
+                    a.send_signal(signals.first)
+            forwarded, stop_by = True, now + stop_s
+        if signals.forced or (stop_by is not None and now > stop_by):
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
+            break
         if deadline is None and any(a.poll() not in (None, 0) for a in agents):
-            deadline = time.monotonic() + GRACE_S
-        if deadline is not None and time.monotonic() > deadline:
+            deadline = now + GRACE_S
+        if deadline is not None and now > deadline and stop_by is None:
             _terminate(agents)
             break
         time.sleep(POLL_S)

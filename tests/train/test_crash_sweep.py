@@ -10,6 +10,10 @@ a persist or a commit), and then checks:
        there on equals the uninterrupted run's.
 Run with `make test-slow` (about 9 minutes on 2 cores).
 
+SIGTERM at random moments too (issue 29): to the launcher, one rank, or every process of
+the job; the job stops at one step on every rank with that step durable and complete,
+and a restart continues it bitwise.
+
 The persist process is also killed on purpose (`--fault-kind persist`): once, after
 which it is restarted and every later checkpoint is durable; and more often than it may
 be restarted, after which the job must end non-zero.
@@ -97,8 +101,12 @@ def _node_processes(node: int) -> tuple[list[int], Path | None]:
 
 
 def _assert_steps_equal(root: Path, ref_root: Path, label: tuple) -> None:
-    """Every complete step under `root` is the reference run's, key by key, bitwise."""
+    """Every complete step under `root` that the reference run has is its, key by key,
+    bitwise (a preempted run's final step may be one the reference did not save)."""
+    reference = set(complete_steps(ref_root))
     for step in complete_steps(root):
+        if step not in reference:
+            continue
         got = CheckpointReader(root, Manifest.load(root, step))
         want = CheckpointReader(ref_root, Manifest.load(ref_root, step))
         assert got.manifest.entries.keys() == want.manifest.entries.keys()
@@ -188,6 +196,67 @@ def test_a_persist_process_killed_more_often_than_it_may_restart_fails_the_job(t
         assert any(kept.glob("rank-*/slot-*.json"))  # the snapshots, for a restart
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+SIGTERM_POINTS = 6
+
+
+@pytest.mark.parametrize("seed", range(SIGTERM_POINTS))
+def test_a_sigterm_at_any_moment_keeps_the_last_step_and_resumes_exactly(tmp_path, reference,
+                                                                         seed):
+    """A preemption at a random moment, reaching the launcher alone (torchrun forwards it),
+    one rank alone (the others learn it at the step boundary), or every process of the
+    job (as a scheduler or Ctrl-C sends it): the job stops at one step on every rank,
+    exits with 143, that step is durable with every expert, and a restart goes on with
+    every loss equal to the uninterrupted run's."""
+    rng = random.Random(2000 + seed)
+    target = ["launcher", "rank1", "group"][seed % 3]
+    kill_step = rng.randint(2, STEPS - 2)
+    delay = rng.uniform(0.0, 0.3)
+    job = subprocess.Popen(_args(tmp_path), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sent = False
+    deadline = time.monotonic() + 240
+    while job.poll() is None and time.monotonic() < deadline and not sent:
+        steps = [e["step"] for e in read_events(tmp_path / "metrics.jsonl")
+                 if e["event"] == "step"]
+        if steps and max(steps) >= kill_step:
+            time.sleep(delay)
+            with contextlib.suppress(ProcessLookupError):
+                if target == "launcher":
+                    job.send_signal(signal.SIGTERM)
+                elif target == "group":
+                    os.killpg(job.pid, signal.SIGTERM)
+                elif (pid := _rank_pid(1)) is not None:
+                    os.kill(pid, signal.SIGTERM)
+            sent = True
+        time.sleep(0.01)
+    _, err = job.communicate(timeout=240)
+    assert "Traceback" not in err, err[-3000:]
+    trained = max(step for step, _ in _losses(tmp_path))
+    if job.returncode == 0:  # the signal came after the last step: nothing to stop
+        assert trained == STEPS, err[-3000:]
+    else:
+        assert job.returncode == 128 + signal.SIGTERM, (target, kill_step, err[-3000:])
+        assert f"at step {trained}: checkpoint {trained} is on storage" in err, err[-3000:]
+    steps = complete_steps(tmp_path / "ckpt")
+    assert steps[-1] == trained, (target, kill_step, steps)
+    saved = Manifest.load(tmp_path / "ckpt", trained).experts_saved
+    assert all(ids == [0, 1, 2, 3] for ids in saved.values())
+    verify = subprocess.run([sys.executable, "-m", "moc", "verify", str(tmp_path / "ckpt")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout
+    _assert_steps_equal(tmp_path / "ckpt", reference / "ckpt", (target, kill_step))
+    r = subprocess.run(_args(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref_losses, losses = dict(_losses(reference)), _losses(tmp_path)
+    for step, loss in losses:
+        assert loss == ref_losses[step], (target, kill_step, step)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))  # none redone, none skipped
+    if trained < STEPS:
+        (recovery,) = [e for e in read_events(tmp_path / "metrics.jsonl")
+                       if e["event"] == "recovery"]
+        assert (recovery["resumed_from"], recovery["lost_tokens"]) == (trained, 0), recovery
 
 
 NODE_KILL_POINTS = 6

@@ -4,17 +4,26 @@ every rank of node 1 and the job resumes exactly."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from moc.checkpoint.liveness import ProcessId
+from moc.checkpoint.twolevel.slots import OWNER
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
+from tests.procs import dead_pid
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
@@ -141,28 +150,146 @@ def _processes_with_env(name: str, value: str) -> list[int]:
     return pids
 
 
+def _training(metrics: Path, *extra: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen:
+    """A launcher of two simulated nodes training for ever, once its first step is in;
+    its stderr goes to `_stderr(metrics)` (a file: a pipe nobody reads would fill up)."""
+    with open(metrics.with_suffix(".err"), "w") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--config",
+             "tiny", "--steps", "100000", "--device", "cpu", "--no-progress", "--metrics",
+             str(metrics), *extra],
+            stdout=subprocess.DEVNULL, stderr=err, env=env)
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"step"' in metrics.read_text()):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            launcher.wait()
+            pytest.fail(f"the launcher never trained: {_stderr(metrics)[-3000:]}")
+        time.sleep(0.5)
+    return launcher
+
+
+def _stderr(metrics: Path) -> str:
+    return metrics.with_suffix(".err").read_text()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_the_launcher_stops_every_node_and_removes_the_memory(tmp_path, signum):
     metrics = tmp_path / "m.jsonl"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--config",
-         "tiny", "--steps", "100000", "--ckpt-mode", "none", "--device", "cpu",
-         "--no-progress", "--metrics", str(metrics)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = _training(metrics, "--ckpt-mode", "none")
     try:
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and '"step"' in metrics.read_text()):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
         (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
         node_1 = placement["shm_roots"][1]
         assert _processes_with_env("MOC_SHM_ROOT", node_1)  # node 1's agent and worker
         launcher.send_signal(signum)  # the launcher only, as `kill` would
-        _, err = launcher.communicate(timeout=60)
+        launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 130, err[-2000:]
-    assert "every simulated node stopped" in err
+    err = _stderr(metrics)
+    assert launcher.returncode == 128 + signum, err[-2000:]
+    # Forwarded to every node's workers: they stopped at one agreed step (no checkpoint
+    # directory here, so nothing to save), rank 0 says so in one line.
+    assert f"preempted ({signal.Signals(signum).name}) at step" in err, err[-2000:]
+    assert "Traceback" not in err
     assert not _processes_with_env("MOC_SHM_ROOT", node_1)
     assert not Path(node_1).parent.exists()
+
+
+# -- issue 29: the launcher's memory and its agents' lifetime (items 4 and 18) ------------
+
+
+def _job_processes(roots: list[str]) -> list[int]:
+    """This run's agents, workers and persist processes: every process whose MOC_SHM_ROOT
+    is one of its nodes' roots."""
+    return sorted({pid for root in roots for pid in _processes_with_env("MOC_SHM_ROOT", root)})
+
+
+def _checkpoints(metrics: Path) -> list[dict]:
+    return [e for e in read_events(metrics) if e["event"] == "checkpoint"]
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A shared-memory root of the test's own, with a short path: the persist process's
+    socket lies three directories under it and AF_UNIX paths end at 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="moc-test-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_running_launchers_memory_outlives_another_jobs_cleanup_however_old(tmp_path, shm):
+    """The simulated nodes' root had no owner record and an mtime that never changes:
+    an hour after the start, any other job's claim of shared memory deleted it under
+    the running job (before: "replica of step 90: FileNotFoundError ... slot-1.bin",
+    then its snapshots). Now it is judged by its owner, the launcher: kept while it
+    runs, removed once it is gone."""
+    env = {**os.environ, "MOC_SHM_ROOT": str(shm)}
+    metrics = tmp_path / "m.jsonl"
+    launcher = _training(metrics, "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-interval",
+                         "5", env=env)
+    try:
+        (root,) = shm.glob("moc-nodes-*")
+        hours_ago = time.time() - 2 * 3600
+        os.utime(root, (hours_ago, hours_ago))  # untouched for two hours
+        dead = shm / "moc-nodes-dead"  # a launcher that is gone, its record left
+        dead.mkdir(mode=0o700)
+        record = ProcessId.of(os.getpid()).to_json() | {"pid": dead_pid()}
+        (dead / OWNER).write_text(json.dumps(record))
+        claim = subprocess.run(
+            [sys.executable, "-c", "from moc.checkpoint.twolevel.slots import claim_job, "
+             "remove_stale_jobs; print(sorted(p.name for p in remove_stale_jobs('other')))"
+             "; claim_job('other')"], env=env, capture_output=True, text=True, timeout=120)
+        assert claim.returncode == 0, claim.stderr[-2000:]
+        assert claim.stdout.strip() == "['moc-nodes-dead']"
+        assert root.is_dir() and not dead.exists()
+        after = max((e["step"] for e in _checkpoints(metrics)), default=0)
+        deadline = time.monotonic() + 120
+        while len([e for e in _checkpoints(metrics) if e["step"] > after]) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        for e in _checkpoints(metrics):
+            assert e.get("error") is None and e.get("replica_error") is None, e
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    err = _stderr(metrics)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "No such file" not in err
+    assert not root.exists()
+
+
+def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
+    """SIGKILL gives the launcher no chance to stop its agents: before, both torchrun
+    agents (then reparented to init), their workers and the persist processes trained on
+    unsupervised (six processes 45 s later). Now each agent gets SIGTERM when the
+    launcher dies and stops its workers; the memory root left behind records the dead
+    launcher, so the next job's claim removes it."""
+    env = {**os.environ, "MOC_SHM_ROOT": str(shm)}
+    metrics = tmp_path / "m.jsonl"
+    launcher = _training(metrics, "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-interval",
+                         "5", env=env)
+    (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
+    roots = placement["shm_roots"]
+    try:
+        assert len(_job_processes(roots)) >= 4  # two agents, two workers (and persists)
+        launcher.kill()  # SIGKILL: no handler of the launcher runs
+        launcher.wait()
+        deadline = time.monotonic() + 90  # torchrun: SIGTERM, then SIGKILL after 30 s
+        while _job_processes(roots) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _job_processes(roots)
+        assert not left, f"processes outlived their launcher: {left}"
+    finally:
+        for pid in _job_processes(roots):  # only this run's: found by its own roots
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    (root,) = shm.glob("moc-nodes-*")
+    claim = subprocess.run(
+        [sys.executable, "-c", "from moc.checkpoint.twolevel.slots import claim_job; "
+         "claim_job('next')"], env=env, capture_output=True, text=True, timeout=120)
+    assert claim.returncode == 0, claim.stderr[-2000:]
+    assert not root.exists()
