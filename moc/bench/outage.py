@@ -2,10 +2,14 @@
 run, slows the persist down and never a training step.
 
 One real `moc train` (torchrun, two-level checkpoints to an S3 server) runs while this
-program SIGSTOPs the server for `--outage-s` seconds, from the moment rank 0 has logged
-step `--outage-at`, then SIGCONTs it. The S3 server is a moto server this program starts
-on 127.0.0.1 (a process of its own, so stopping it is stopping the store: every request
-waits, as an NFS server that went away or a hung object store makes it wait).
+program SIGSTOPs the server for `--outage-s` seconds, then SIGCONTs it. The outage starts
+at the worst moment: once rank 0 has logged step `--outage-at`, right after it logs the
+next checkpoint that reached the store, so that the plan of the checkpoint after it is
+the first to continue the chain from that commit, during the outage (before issue 29
+each rank read the new manifest back from the store there, and training waited). The S3
+server is a moto server this program starts on 127.0.0.1 (a process of its own, so
+stopping it is stopping the store: every request waits, as an NFS server that went away
+or a hung object store makes it wait).
 
 It prints, side by side from the one run: the median step time before the outage, the
 slowest step that overlapped the outage and its ratio to that median (issue 29: within
@@ -37,6 +41,14 @@ POLL_S = 0.05
 """How often the metrics file is read to find the step the outage starts at."""
 
 
+def _just_committed(events: list[dict[str, Any]], after: int) -> bool:
+    """Whether rank 0 has logged step `after` and, since, a checkpoint that reached the
+    store (its event comes once its persist has finished)."""
+    seen = [i for i, e in enumerate(events) if e["event"] == "step" and e["step"] >= after]
+    return bool(seen) and any(e["event"] == "checkpoint" and e.get("persist_s") is not None
+                              for e in events[seen[0]:])
+
+
 def _overlaps(event: dict[str, Any], start: float, end: float) -> bool:
     """Whether a step event's step ran (in part) while the store was stopped."""
     return event["time"] > start and event["time"] - event["step_time_s"] < end
@@ -63,8 +75,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stopped = resumed = None
         while train.poll() is None:
             now = time.time()
-            if stopped is None and any(e["event"] == "step" and e["step"] >= args.outage_at
-                                       for e in read_events(metrics)):
+            if stopped is None and _just_committed(read_events(metrics), args.outage_at):
                 os.kill(proc.pid, signal.SIGSTOP)
                 stopped = time.time()
             elif stopped is not None and resumed is None and now - stopped >= args.outage_s:
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=10,
                    help="steps between checkpoints (default 10)")
     p.add_argument("--outage-at", type=int, default=100,
-                   help="stop the store once rank 0 has logged this step (default 100)")
+                   help="stop the store at the first commit rank 0 logs after this step "
+                        "(default 100)")
     p.add_argument("--outage-s", type=float, default=60.0,
                    help="how long the store stays stopped, in seconds (default 60)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -144,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     publish("moc bench outage",
             [("model", f"{cfg['preset']}, {cfg['nproc']} ranks, a checkpoint every "
                        f"{cfg['interval']} steps to S3 (moto), K_persist 1"),
-             ("outage", f"S3 server SIGSTOPped for {cfg['outage_s']} s from step "
-                        f"{cfg['outage_at']}"),
+             ("outage", f"S3 server SIGSTOPped for {cfg['outage_s']} s, right after "
+                        f"the first commit past step {cfg['outage_at']}"),
              ("checkpoints during it", f"{result['checkpoints_during_outage']} "
                                        f"({result['persists_skipped_during_outage']} "
                                        "persists skipped)")],
