@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration  # real processes: see README, Tests
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # minutes: make test-slow
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
 

@@ -166,6 +166,7 @@ def cli_runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     return tmp_path, runs
 
 
+@pytest.mark.slow
 def test_async_run_killed_at_15_resumes_from_10_and_equals_a_straight_run(cli_runs):
     _, runs = cli_runs
     (recovery,) = [e for e in runs["faulted"] if e["event"] == "recovery"]
@@ -181,6 +182,7 @@ def test_async_run_killed_at_15_resumes_from_10_and_equals_a_straight_run(cli_ru
         assert all(loss == a[step][0] for loss in b[step]), f"step {step}: {a[step]} vs {b[step]}"
 
 
+@pytest.mark.slow
 def test_a_dcp_directory_given_to_another_mode_is_a_one_line_error(cli_runs):
     root, _ = cli_runs
     log = root / "wrong-mode.log"

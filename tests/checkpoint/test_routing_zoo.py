@@ -52,6 +52,17 @@ def _built(family: str) -> nn.Module:
             pytest.skip(f"{family} does not build tiny here: {type(e).__name__}: {e}")
 
 
+def _runs(family: str, model: nn.Module) -> None:
+    """Skip a family whose tiny build does not run a forward unwatched: a failure there is
+    the generic shrink's, never moc's."""
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            forward_loss(model, 0)
+    except Exception as e:
+        pytest.skip(f"{family} does not run tiny here: {type(e).__name__}: {e}")
+
+
 class ExpertCalls:
     """The ids each MoE layer's experts were called with, by the test's own hooks."""
 
@@ -93,10 +104,21 @@ class ExpertCalls:
         return torch.stack(rows)
 
 
+def _refused(model: nn.Module) -> bool:
+    """Whether moc refuses to watch `model`. A family refused in one transformers release
+    may be rewritten into a shape moc slices in the next (LongCat-Flash's experts lost
+    their zero-computation rows in 5.25): it is then held to an exact count like any other."""
+    try:
+        RoutingRecorder(model).remove()
+    except ValueError:
+        return True
+    return False
+
+
 @pytest.mark.parametrize("family", families())
 def test_each_transformers_moe_is_counted_exactly_or_refused_when_watched(family):
     model = _built(family)
-    if family in REFUSED:
+    if family in REFUSED and _refused(model):
         if REFUSED[family][0] == "spec":  # never a spec that is silently wrong
             with pytest.raises(ValueError, match=r"build the spec|by hand"):
                 ExpertSpec.infer(model)
@@ -109,6 +131,7 @@ def test_each_transformers_moe_is_counted_exactly_or_refused_when_watched(family
             for name, _ in model.named_modules() if name), message
         assert "ExpertSpec" in message or "routers=" in message, message
         return
+    _runs(family, model)
     spec = ExpertSpec.infer(model)
     assert spec.n_experts == N_EXPERTS, f"{family}: the spec found {spec.n_experts} experts"
     truth = ExpertCalls(model, spec)

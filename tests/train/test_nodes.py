@@ -61,12 +61,14 @@ def _hex_losses(events: list[dict]) -> dict[int, list[str]]:
     return {s: [float(v).hex() for v in ls] for s, ls in losses_by_step(events).items()}
 
 
+@pytest.mark.slow
 def test_two_simulated_nodes_train_exactly_as_one_node_with_the_same_ranks(runs):
     single, nodes = _hex_losses(runs["single"]), _hex_losses(runs["nodes"])
     assert sorted(single) == list(range(1, STEPS + 1))
     assert nodes == single
 
 
+@pytest.mark.slow
 def test_losing_node_1_resumes_from_storage_and_matches_the_uninterrupted_run(runs):
     events = runs["lost"]
     (fault,) = [e for e in events if e["event"] == "fault"]
@@ -82,6 +84,7 @@ def test_losing_node_1_resumes_from_storage_and_matches_the_uninterrupted_run(ru
     assert [e["steps"] for e in events if e["event"] == "summary"] == [STEPS]
 
 
+@pytest.mark.slow
 def test_each_node_has_its_own_memory_root_kept_across_the_restart_and_removed_after(runs):
     placements = [e for e in runs["lost"] if e["event"] == "placement"]
     assert [p["attempt"] for p in placements] == [0, 1]

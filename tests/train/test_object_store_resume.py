@@ -34,6 +34,7 @@ def straight(tmp_path_factory) -> list[dict]:
     return _train(str(tmp / "ckpt"), tmp / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_node_loss_resumes_from_s3_bitwise(s3_url, tmp_path, straight):
     faulted = _train(s3_url, tmp_path / "faulted.jsonl", "--fault-kind", "node",
                      "--fault-at", "10", "--fault-rank", "1", "--max-restarts", "1")

@@ -19,7 +19,7 @@ from moc.checkpoint.store.steps import complete_steps
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
 
-pytestmark = pytest.mark.integration  # real processes: see README, Tests
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # minutes: make test-slow
 
 STEPS, INTERVAL, FAULT_AT = 14, 3, 8
 

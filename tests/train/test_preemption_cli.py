@@ -41,7 +41,8 @@ def _steps(metrics: Path) -> list[int]:
     return [e["step"] for e in read_events(metrics) if e["event"] == "step"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM,
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_preempted_run_keeps_its_last_step_and_resumes_from_it(tmp_path, shm, signum):
     ckpt, metrics, err = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "err.txt"
     env = {**os.environ, "MOC_SHM_ROOT": str(shm)}

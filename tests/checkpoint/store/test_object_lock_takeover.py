@@ -24,7 +24,7 @@ from moc.checkpoint.store.backend import open_root
 from moc.checkpoint.store.lock import LOCK_FILE, TAKEOVER_STALL_ENV
 from tests.procs import dead_pid
 
-pytestmark = pytest.mark.integration  # real processes and a real S3 server
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a real S3 server: test-slow
 
 TAKER = textwrap.dedent("""
     import logging, os, sys

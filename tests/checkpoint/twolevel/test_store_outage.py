@@ -18,7 +18,7 @@ from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.model import ModelConfig, Transformer
 from tests.s3 import make_bucket, s3_env, start_moto
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # minutes of real time: `make test-slow`
 
 CFG = ModelConfig(seq_len=8, d_model=32, n_layers=2, n_heads=2, d_ffn=64, n_experts=8)
 INTERVAL = 5
