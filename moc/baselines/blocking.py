@@ -42,7 +42,7 @@ class MegatronPlacement:
         dense_optim[rng_key(g.rank)] = torch.get_rng_state()
         dense_parts = ctx.dist.gather_tensors(dense_optim, 0)
         expert_parts = ctx.dist.gather_tensors(expert_optim, g.ep_rank, edp=True)
-        params = flatten_params(ctx.state.model, spec)
+        params = flatten_params(ctx.state.named, spec)
         tensors: dict[str, torch.Tensor] = {}
         if g.rank == 0:
             tensors.update({k: v for k, v in params.items() if parse_expert_key(k) is None})

@@ -537,7 +537,7 @@ def _placeholders(path: Path, state: RankState) -> dict[str, torch.Tensor]:
     holds now: AdamW creates state lazily at the first step), its RNG. Raises
     IncompatibleCheckpointError for a key the model has and the step lacks."""
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    params = flatten_params(state.model, state.spec)
+    params = flatten_params(state.named, state.spec)
     experts = state.spec.by_name()
     owned: set[str] = set()
     for name in state.optimizer.owned_names():

@@ -51,7 +51,9 @@ from moc.checkpoint.errors import (
     IncompatibleCheckpointError,
 )
 from moc.checkpoint.recovery import CheckpointReader, line_problems
+from moc.checkpoint.shards import extent, piece_index
 from moc.checkpoint.spec import parse_expert_key
+from moc.checkpoint.state import read_piece
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import ITEM_SIZES, write_safetensors
 from moc.checkpoint.store.identity import read_run_id
@@ -138,6 +140,14 @@ def model_config_of(model: nn.Module) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class _Whole:
+    """The dtype and shape of a tensor as a whole (of all its pieces)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Tensor:
     """One tensor of the exported state dict: the keys it is read from, in order, and
     how they are put together (`dim` None: one key as it is; else stacked along dim)."""
@@ -177,7 +187,12 @@ def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
                 f"({out[name].keys[0]}, {t.keys[0]}); the manifest's experts.params is wrong")
         out[name] = t
 
-    for key, entry in entries.items():
+    # A tensor stored as pieces (a DTensor layout) is exported whole: one logical key,
+    # read by assembling its pieces.
+    wholes = {key: (stored[0][0], extent(b for _, b in stored))
+              for key, stored in piece_index((k, e.shape) for k, e in entries.items()).items()}
+    for key, (first_key, shape) in wholes.items():
+        entry = entries[first_key]
         parsed = parse_expert_key(key)
         if parsed is not None:
             if parsed[0] == "param":
@@ -185,7 +200,7 @@ def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
             continue
         kind, _, name = key.partition("/")
         if kind in ("param", "buffer"):
-            put(name, _Tensor((key,), None, entry.dtype, entry.shape))
+            put(name, _Tensor((key,), None, entry.dtype, shape))
     if experts and not isinstance(layouts, dict):
         raise IncompatibleCheckpointError(
             f"step {manifest.step} was written by a moc release that did not record how the "
@@ -201,7 +216,7 @@ def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
             raise IncompatibleCheckpointError(
                 f"step {manifest.step}: stem {stem!r} has experts {ids}, expected "
                 f"{want[0]}..{want[-1]}: the checkpoint does not hold every expert")
-        first = entries[by_id[0]]
+        first = _Whole(entries[wholes[by_id[0]][0]].dtype, wholes[by_id[0]][1])
         if how is None:
             raise IncompatibleCheckpointError(
                 f"step {manifest.step}: the manifest does not say how the model names the "
@@ -210,7 +225,7 @@ def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
                 "ExpertSpec.from_modules and save again")
         if "dim" in how:
             dim = how["dim"]
-            if any(entries[by_id[g]].shape != first.shape or entries[by_id[g]].dtype
+            if any(wholes[by_id[g]][1] != first.shape or entries[wholes[by_id[g]][0]].dtype
                    != first.dtype for g in ids) or dim > len(first.shape):
                 raise IncompatibleCheckpointError(
                     f"step {manifest.step}: the experts of {stem!r} differ in shape or dtype "
@@ -225,9 +240,9 @@ def state_dict_plan(manifest: Manifest) -> dict[str, _Tensor]:
                 f"{container!r}")
         rest = stem[len(container) + 1:] if container else stem
         for g in ids:
-            e = entries[by_id[g]]
+            dtype, shape = entries[wholes[by_id[g]][0]].dtype, wholes[by_id[g]][1]
             name = f"{container}.{g}.{rest}" if container else f"{g}.{rest}"
-            put(name, _Tensor((by_id[g],), None, e.dtype, e.shape))
+            put(name, _Tensor((by_id[g],), None, dtype, shape))
     return {n: out[n] for n in sorted(out, key=_natural)}
 
 
@@ -282,8 +297,10 @@ def _newest_complete_step(root: Path | ObjectPath, below: int) -> int | None:
 
 
 def _read(reader: CheckpointReader, t: _Tensor) -> torch.Tensor:
-    """One tensor of the export, every key checked against its checksum."""
-    pieces = [reader.get(k) for k in t.keys]
+    """One tensor of the export, every key checked against its checksum; a key stored as
+    pieces assembled from them (`read_piece`)."""
+    one = t.shape if t.dim is None else (*t.shape[:t.dim], *t.shape[t.dim + 1:])
+    pieces = [read_piece(reader, k, one) for k in t.keys]
     return pieces[0] if t.dim is None else torch.stack(pieces, dim=t.dim)
 
 

@@ -118,9 +118,10 @@ class EngineParts:
             raise ValueError(f"PECPolicy.k={policy.k} is more than the {spec.n_experts} "
                              "experts per MoE layer; use k <= n_experts, or k=None for all")
         failures = FailurePolicy(max_failures, groups.rank)
-        state = RankState(model, as_optimizer_state(optimizer, model), spec, groups.rank)
-        root = open_root(directory)  # a Path, or an ObjectPath for a URL
         dist = Dist(groups)
+        state = RankState(model, as_optimizer_state(optimizer, model), spec,
+                          groups.rank).placed(dist.all_gather)
+        root = open_root(directory)  # a Path, or an ObjectPath for a URL
         lock, run_id, newest, failed = None, None, None, None
         writes = optimizer is not None
         if groups.rank == 0:
@@ -146,7 +147,8 @@ class EngineParts:
             root=root, spec=spec, groups=groups, dist=dist, state=state,
             policy=policy, mode=mode or ("full" if policy.selection == "full" else "pec"),
             interval=interval, model_meta=model_meta or default_model_meta(model, spec),
-            chain=ChainState(spec, policy, groups.layout.ep, model_config_of(model)),
+            chain=ChainState(spec, policy, groups.layout.ep, model_config_of(model),
+                             state.pieces),
             ledger=TokenLedger(spec.n_moe_layers, spec.n_experts,
                                policy.initial_k(spec.n_experts), policy.dynamic_k,
                                policy.plt_threshold),
@@ -158,8 +160,8 @@ class EngineParts:
 
     @property
     def layout(self) -> dict[str, int]:
-        """The parallel layout as manifests and snapshots record it."""
-        return {"world_size": self.groups.world_size, "ep": self.groups.layout.ep}
+        """The parallel layout as manifests and snapshots record it (`ChainState.layout`)."""
+        return self.chain.layout(self.groups.world_size, self.groups.layout.ep)
 
     def release(self) -> None:
         """Release the directory lock (the end of `close`; idempotent)."""
@@ -186,6 +188,9 @@ def default_groups(spec: ExpertSpec) -> ParallelGroups:
             and torch_dist.get_world_size() > 1):
         return ParallelGroups.single(spec.n_experts)
     held = {g for p in spec.params for g in p.global_ids}
+    if any(p.sharding is not None for p in spec.params):
+        # DTensor experts say themselves which ranks hold which experts.
+        return ParallelGroups.from_world(1, spec.n_experts)
     if len(held) < spec.n_experts:
         raise ValueError(
             f"this rank holds {len(held)} of the {spec.n_experts} experts per MoE layer "

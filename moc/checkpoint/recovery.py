@@ -35,6 +35,7 @@ from moc.checkpoint.errors import (
 from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.shards import Box, piece_index
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.format import TensorReader
@@ -99,6 +100,7 @@ class CheckpointReader:
         self.root = open_root(root)
         self.manifest = manifest
         self._readers: dict[Path | ObjectPath, TensorReader] = {}
+        self._pieces: dict[str, list[tuple[str, Box]]] | None = None
 
     def __contains__(self, key: str) -> bool:
         return key in self.manifest.entries
@@ -119,6 +121,11 @@ class CheckpointReader:
     def state_names(self, prefix: str) -> list[str]:
         return _state_names(self.manifest.entries, prefix)
 
+    def pieces(self, key: str) -> list[tuple[str, Box]]:
+        if self._pieces is None:
+            self._pieces = piece_index((k, e.shape) for k, e in self.manifest.entries.items())
+        return self._pieces.get(key, [])
+
 
 class DictReader:
     """The reader interface over tensors already in memory (a snapshot), or over lazy
@@ -126,6 +133,7 @@ class DictReader:
 
     def __init__(self, tensors: dict[str, Any]) -> None:
         self.tensors = tensors
+        self._pieces: dict[str, list[tuple[str, Box]]] | None = None
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
@@ -139,6 +147,11 @@ class DictReader:
     def state_names(self, prefix: str) -> list[str]:
         return _state_names(self.tensors, prefix)
 
+    def pieces(self, key: str) -> list[tuple[str, Box]]:
+        if self._pieces is None:
+            self._pieces = piece_index((k, tuple(t.shape)) for k, t in self.tensors.items())
+        return self._pieces.get(key, [])
+
 
 class LazyKey:
     """One key of a checkpoint on storage, read (and checked) only if it is used."""
@@ -148,6 +161,10 @@ class LazyKey:
 
     def load(self) -> torch.Tensor:
         return self.reader.get(self.key)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.reader.manifest.entries[self.key].shape
 
 
 def _state_names(keys: Iterable[str], prefix: str) -> list[str]:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moc.checkpoint.shards import Box, Sharding, UnsupportedLayoutError, local, sharding_of
+
 
 @dataclass(frozen=True)
 class ExpertParam:
@@ -48,6 +50,18 @@ class ExpertParam:
     container: str | None = None
     """Name of the `nn.ModuleList` holding the expert (`name` is `<container>.<i>.<rest of
     stem>`), None for batched tensors or when unknown; export rebuilds names from it."""
+    sharding: Sharding | None = None
+    """The parameter's DTensor layout (`moc.checkpoint.shards`), None for a plain tensor:
+    which ranks hold which experts, instead of the `ParallelGroups`' expert layout."""
+    piece: str = ""
+    """Key suffix of this rank's piece of each expert's tensor when the layout splits an
+    expert too (tensor parallel, or FSDP2 sharding a ModuleList expert): `@<offsets>`
+    into the expert's own tensor; "" when this rank holds whole experts."""
+
+    def key(self, kind: str, gid: int, state: str | None = None) -> str:
+        """The key of expert `gid`'s part of this tensor (its piece, as this rank holds
+        it)."""
+        return expert_key(kind, self.stem, gid, state) + self.piece
 
 
 Offset = int | Callable[[int], int]
@@ -100,14 +114,23 @@ class ExpertSpec:
             prefix = f"{mod_name}." if mod_name else ""
             if isinstance(container, nn.ModuleList):
                 for i, child in enumerate(container):
-                    for rel, _ in child.named_parameters():
-                        params.append(ExpertParam(f"{prefix}{i}.{rel}", f"{prefix}{rel}", layer,
-                                                  None, (offset + i,), mod_name))
+                    for rel, p in child.named_parameters():
+                        name = f"{prefix}{i}.{rel}"
+                        sharding = sharding_of(name, p)
+                        piece = sharding.suffix(sharding.mine) if sharding else ""
+                        params.append(ExpertParam(name, f"{prefix}{rel}", layer, None,
+                                                  (offset + i,), mod_name, sharding, piece))
                 continue
             n_local = _batched_size(mod_name, container)
+            direct = list(container.named_parameters(recurse=False))
+            shardings = [sharding_of(prefix + rel, p) for rel, p in direct]
+            if any(shardings):
+                offset, n_local = _expert_rows(mod_name, direct, shardings)
+                n_experts = n_experts or direct[0][1].shape[0]
             ids = tuple(range(offset, offset + n_local))
-            params += [ExpertParam(prefix + rel, prefix + rel, layer, 0, ids)
-                       for rel, _ in container.named_parameters(recurse=False)]
+            params += [ExpertParam(prefix + rel, prefix + rel, layer, 0, ids,
+                                   sharding=sh, piece=_expert_piece(sh))
+                       for (rel, _), sh in zip(direct, shardings, strict=True)]
         if n_experts is None:
             cfg = getattr(model, "cfg", None)
             n_experts = getattr(cfg, "n_experts", None) or 1 + max(
@@ -170,7 +193,7 @@ def expert_key(kind: str, stem: str, expert: int, state: str | None = None) -> s
     return f"{key}/{state}" if state else key
 
 
-_EXPERT_KEY = re.compile(r"^(param|optim)/(.+)/expert=(\d+)(?:/[^/]+)?$")
+_EXPERT_KEY = re.compile(r"^(param|optim)/(.+)/expert=(\d+)(?:/[^/@]+)?(?:@\d+(?:,\d+)*)?$")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -222,19 +245,23 @@ def expert_modules(spec: ExpertSpec) -> set[str]:
 def param_key_of(optim_key: str) -> str:
     """The parameter key (`param/<name>` or `param/<stem>/expert=<g>`) whose optimizer
     state `optim_key` is."""
-    parsed = parse_expert_key(optim_key)
+    base, _, piece = optim_key.partition("@")
+    piece = f"@{piece}" if piece else ""
+    parsed = parse_expert_key(base)
     if parsed is not None:
-        return expert_key("param", parsed[1], parsed[2])
-    return "param/" + optim_key[len("optim/"):].rsplit("/", 1)[0]
+        return expert_key("param", parsed[1], parsed[2]) + piece
+    return "param/" + base[len("optim/"):].rsplit("/", 1)[0] + piece
 
 
 def slices(ep: ExpertParam, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """(global id, that expert's part of `t`) for each expert `t` holds; views."""
+    """(global id, that expert's part of `t`) for each expert `t` holds (of a DTensor,
+    this rank's piece); views."""
+    t = local(t).detach()
     if ep.expert_dim is None:
-        yield ep.global_ids[0], t.detach()
+        yield ep.global_ids[0], t
         return
     for i, gid in enumerate(ep.global_ids):
-        yield gid, t.detach().select(ep.expert_dim, i)
+        yield gid, t.select(ep.expert_dim, i)
 
 
 def _container_of(p: ExpertParam) -> str | None:
@@ -274,6 +301,32 @@ def _batched_size(name: str, container: nn.Module) -> int:
     raise ValueError(
         f"{what} is neither an nn.ModuleList of experts nor a module of batched [E_local, "
         f"...] parameters (at least 2-D, one leading size): it holds {found}; {_BY_HAND}")
+
+
+def _expert_rows(name: str, direct: list[tuple[str, torch.Tensor]],
+                 shardings: list[Sharding | None]) -> tuple[int, int]:
+    """(global id of the first expert this rank holds, how many) of a container of
+    batched DTensor experts: each tensor's rows of dim 0, which must be the same rows
+    for every tensor of the container. Raises UnsupportedLayoutError naming the tensor
+    otherwise (an expert's tensors on different ranks)."""
+    rows = {(sh.mine.offsets[0], sh.mine.shape[0]) if sh else (0, p.shape[0])
+            for (_, p), sh in zip(direct, shardings, strict=True)}
+    if len(rows) != 1:
+        found = ", ".join(f"{rel}: experts {sh.mine.offsets[0]}.."
+                          f"{sh.mine.offsets[0] + sh.mine.shape[0] - 1}" if sh else
+                          f"{rel}: all" for (rel, _), sh in zip(direct, shardings, strict=True))
+        raise UnsupportedLayoutError(
+            f"ExpertSpec: the batched experts of {name!r} are sharded differently along "
+            f"dim 0 ({found}); every tensor of an expert must be held by the same ranks")
+    return rows.pop()
+
+
+def _expert_piece(sharding: Sharding | None) -> str:
+    """The key suffix of each expert's piece of a batched DTensor (dims after the expert
+    dim); "" when this rank holds whole experts."""
+    if sharding is None or sharding.mine.shape[1:] == sharding.global_shape[1:]:
+        return ""
+    return Box(sharding.mine.offsets[1:], sharding.mine.shape[1:]).suffix()
 
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:

@@ -27,15 +27,27 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.shards import (
+    Box,
+    DTensor,
+    UnsupportedLayoutError,
+    extent,
+    local,
+    sharding_of,
+    split_key,
+    tiles,
+)
 from moc.checkpoint.spec import (
     PARAM_GROUPS_KEY,
     ExpertSpec,
@@ -162,8 +174,20 @@ def load_named_state(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
             optimizer.state.pop(p, None)
             state = states.get(name_of[id(p)])
             if state:
-                optimizer.state[p] = {k: v.to(p.device if v.dim() else "cpu").clone()
-                                      for k, v in state.items()}
+                optimizer.state[p] = {k: _like_param(v, p) for k, v in state.items()}
+
+
+def _like_param(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Optimizer state `v` (this rank's piece) as the optimizer keeps it for `p`: on its
+    device, and a DTensor laid out as `p` when `p` is one (torch's optimizers compute
+    with the state and the parameter together); a scalar (AdamW's `step`) on the CPU."""
+    if not v.dim():
+        return v.to("cpu").clone()
+    v = v.to(p.device).clone()
+    if isinstance(p, DTensor):
+        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return v
 
 
 def describe_groups(param_groups: list[dict[str, Any]], name_of: dict[int, str]
@@ -364,16 +388,31 @@ def default_model_meta(model: nn.Module, spec: ExpertSpec) -> dict[str, Any]:
                       if n not in experts}}
 
 
-def flatten_params(model: nn.Module, spec: ExpertSpec) -> dict[str, torch.Tensor]:
-    """Every parameter of this process under its stable key(s); views, no copies."""
+def piece_key(key: str, name: str, t: torch.Tensor) -> str:
+    """`key` of the non-expert tensor `t` (named `name`) as this rank holds it: with the
+    suffix of its piece when `t` is a DTensor that this rank holds part of."""
+    sharding = sharding_of(name, t)
+    return key + sharding.suffix(sharding.mine) if sharding is not None else key
+
+
+Placed = tuple[tuple[Box, tuple[int, ...]], ...]
+"""Every distinct piece of a tensor, and the global ranks holding it."""
+Named = Sequence[tuple[str, torch.Tensor]]
+"""A model's parameters by name (`RankState.named`, as the model held them when the
+engine was built)."""
+
+
+def flatten_params(named: Named, spec: ExpertSpec) -> dict[str, torch.Tensor]:
+    """Every parameter of this process under its stable key(s) (of a DTensor, this rank's
+    piece); views, no copies."""
     experts = spec.by_name()
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named:
         if name in experts:
             for gid, t in slices(experts[name], p):
-                out[expert_key("param", experts[name].stem, gid)] = t
+                out[experts[name].key("param", gid)] = t
         else:
-            out[dense_key("param", name)] = p.detach()
+            out[piece_key(dense_key("param", name), name, p)] = local(p).detach()
     return out
 
 
@@ -388,15 +427,16 @@ def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSp
             if not isinstance(t, torch.Tensor):
                 t = torch.tensor(t)
             if name not in experts:
-                out[dense_key("optim", name, s_name)] = t.detach()
+                key = dense_key("optim", name, s_name)
+                out[piece_key(key, name, t)] = local(t).detach()
                 continue
             ep = experts[name]
             if t.dim() == 0:
                 for gid in ep.global_ids:
-                    out[expert_key("optim", ep.stem, gid, s_name)] = t.detach()
+                    out[expert_key("optim", ep.stem, gid, s_name)] = local(t).detach()
                 continue
             for gid, piece in slices(ep, t):
-                out[expert_key("optim", ep.stem, gid, s_name)] = piece
+                out[ep.key("optim", gid, s_name)] = piece
     return out
 
 
@@ -412,53 +452,141 @@ def _fetch(get: Getter, key: str, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@torch.no_grad()
-def load_params(model: nn.Module, spec: ExpertSpec, get: Getter) -> None:
-    """Copy every parameter of this process from `get(key)`."""
+def read_piece(reader: Reader, key: str, shape: tuple[int, ...],
+               whole: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The tensor under `key` as this rank holds it, `shape` elements of a tensor of
+    `whole` elements (default: `shape` for a key without a box): the stored tensor itself
+    when the checkpoint holds that very key (the layout it was written with); otherwise
+    the slice `key`'s box (its `@offsets` suffix; none: the whole tensor) cuts from the
+    pieces the checkpoint holds of the same tensor, whatever layout wrote them
+    (docs/FORMAT.md, "Pieces"). Only the pieces that meet the box are read.
+
+    Raises IncompatibleCheckpointError when the stored tensor's shape is not `whole`
+    (or the box does not fit it), CorruptCheckpointError when the pieces that meet the
+    box do not cover it."""
+    shape = tuple(shape)
+    logical, offsets = split_key(key)
+    if whole is None and offsets is None:
+        whole = shape
+    if offsets is None and key in reader:  # a whole tensor, stored whole
+        t = reader.get(key)
+        if tuple(t.shape) != shape:
+            raise IncompatibleCheckpointError(
+                f"{key}: checkpoint shape {tuple(t.shape)} does not fit the model's {shape}")
+        return t
+    want = Box(offsets if offsets is not None else (0,) * len(shape), shape)
+    stored = reader.pieces(logical)
+    if not stored:
+        raise CorruptCheckpointError(f"the checkpoint has no key {logical!r}")
+    have = extent(b for _, b in stored)
+    fits = len(have) == len(shape) and all(
+        o + n <= h for o, n, h in zip(want.offsets, shape, have, strict=True))
+    if not fits or (whole is not None and have != tuple(whole)):
+        raise IncompatibleCheckpointError(
+            f"{logical}: checkpoint shape {have} does not fit the model's "
+            f"{tuple(whole) if whole is not None else shape}")
+    out: torch.Tensor | None = None
+    parts: list[Box] = []
+    for k, box in stored:
+        part = want.intersect(box)
+        if part is None:
+            continue
+        if any(p.intersect(part) is not None for p in parts):
+            raise CorruptCheckpointError(f"{logical}: the checkpoint's pieces overlap at "
+                                         f"{part.offsets} ({k})")
+        src = reader.get(k)
+        if out is None:
+            out = torch.empty(shape, dtype=src.dtype)
+        out[part.within(want)] = src[part.within(box)]
+        parts.append(part)
+    covered = sum(p.numel for p in parts)
+    if out is None or covered != want.numel:
+        raise CorruptCheckpointError(
+            f"{logical}: the checkpoint's pieces cover {covered} of the {want.numel} "
+            f"elements at {want.offsets} of shape {shape}")
+    return out
+
+
+def whole_shapes(named: Named, spec: ExpertSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of the whole tensor each key of `flatten_params` is a piece of: a
+    parameter's global shape, one expert's slice of it for an expert key."""
     experts = spec.by_name()
-    for name, p in model.named_parameters():
+    out = {}
+    for name, p in named:
+        if name in experts:
+            ep = experts[name]
+            one = tuple(p.shape[1:]) if ep.expert_dim is not None else tuple(p.shape)
+            for gid in ep.global_ids:
+                out[ep.key("param", gid)] = one
+        else:
+            out[piece_key(dense_key("param", name), name, p)] = tuple(p.shape)
+    return out
+
+
+@torch.no_grad()
+def load_params(named: Named, spec: ExpertSpec, get: Getter) -> None:
+    """Copy every parameter of this process (of a DTensor, this rank's piece) from
+    `get(key)`."""
+    experts = spec.by_name()
+    for name, p in named:
         if name in experts:
             for gid, dst in slices(experts[name], p):
-                dst.copy_(_fetch(get, expert_key("param", experts[name].stem, gid), dst))
+                dst.copy_(_fetch(get, experts[name].key("param", gid), dst))
         else:
-            p.copy_(_fetch(get, dense_key("param", name), p))
+            dst = local(p)
+            dst.copy_(_fetch(get, piece_key(dense_key("param", name), name, p), dst))
 
 
-def optimizer_state(params: dict[str, torch.Tensor], state_names: dict[str, list[str]],
-                    spec: ExpertSpec, get: Getter) -> dict[str, dict[str, torch.Tensor]]:
-    """Rebuild optimizer state by parameter name for the given (owned) parameters.
+StateGetter = Callable[[str, "str | None", tuple[int, ...], tuple[int, ...]], torch.Tensor]
+"""(the state's whole key, the key of this rank's piece of it or None for a scalar, the
+piece's shape, the whole tensor's shape) -> the tensor."""
 
-    `state_names[name]` lists the state tensors to load (e.g. step, exp_avg, exp_avg_sq).
-    Expert slices are stacked back along the expert dim; a scalar shared by a batched
-    expert tensor (AdamW's `step`) takes the largest of its experts' values.
+
+def optimizer_state(params: dict[str, torch.Tensor],
+                    state_names: dict[str, list[tuple[str, bool]]],
+                    spec: ExpertSpec, get: StateGetter) -> dict[str, dict[str, torch.Tensor]]:
+    """Rebuild optimizer state by parameter name for the given (owned) parameters (of a
+    DTensor parameter, this rank's piece of the state).
+
+    `state_names[name]` lists the state tensors to load (e.g. step, exp_avg, exp_avg_sq)
+    and whether each is a scalar. Expert slices are stacked back along the expert dim; a
+    scalar shared by a batched expert tensor (AdamW's `step`) takes the largest of its
+    experts' values.
     """
     experts = spec.by_name()
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in params.items():
         out[name] = {}
-        for s_name in state_names[name]:
+        held = local(p)
+        for s_name, scalar in state_names[name]:
             if name not in experts:
-                out[name][s_name] = get(dense_key("optim", name, s_name))
+                key = dense_key("optim", name, s_name)
+                out[name][s_name] = get(key, None if scalar else piece_key(key, name, p),
+                                        tuple(held.shape), tuple(p.shape))
                 continue
             ep = experts[name]
-            pieces = [get(expert_key("optim", ep.stem, gid, s_name)) for gid in ep.global_ids]
+            one = tuple(next(slices(ep, p))[1].shape)
+            whole = tuple(p.shape[1:]) if ep.expert_dim is not None else tuple(p.shape)
+            pieces = [get(expert_key("optim", ep.stem, gid, s_name),
+                          None if scalar else ep.key("optim", gid, s_name), one, whole)
+                      for gid in ep.global_ids]
             if ep.expert_dim is None:
                 out[name][s_name] = pieces[0]
             elif pieces[0].dim() == 0:
                 out[name][s_name] = torch.stack(pieces).max()
             else:
                 out[name][s_name] = torch.stack(pieces, dim=ep.expert_dim)
-            if out[name][s_name].dim() and out[name][s_name].shape != p.shape:
+            if out[name][s_name].dim() and out[name][s_name].shape != held.shape:
                 raise IncompatibleCheckpointError(
                     f"optimizer state {s_name} of {name}: checkpoint shape "
-                    f"{tuple(out[name][s_name].shape)} does not fit {tuple(p.shape)}")
+                    f"{tuple(out[name][s_name].shape)} does not fit {tuple(held.shape)}")
     return out
 
 
 def _shared(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
             clone: bool = False) -> dict[str, torch.Tensor]:
-    state = {buffer_key(n): b.detach().clone() if clone else b.detach()
-             for n, b in persistent_buffers(model, spec).items()}
+    state = {piece_key(buffer_key(n), n, b): local(b).detach().clone() if clone
+             else local(b).detach() for n, b in persistent_buffers(model, spec).items()}
     groups = param_groups_tensor(optimizer, spec)
     if groups is not None:
         state[PARAM_GROUPS_KEY] = groups
@@ -467,13 +595,14 @@ def _shared(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
 
 def local_state(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec, rank: int,
                 rng: torch.Tensor | None = None,
-                captured: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                captured: dict[str, torch.Tensor] | None = None,
+                named: Named | None = None) -> dict[str, torch.Tensor]:
     """Everything this rank holds under stable keys (views, no copies, but the param
     groups' JSON): its parameters and persistent buffers, the optimizer state it owns,
     the optimizer's param groups, its RNG (`rng`: the state taken when the checkpoint was
     requested; now by default). `captured`: the buffers and param groups taken then
     (`RankState.capture`), in place of their values now."""
-    state = flatten_params(model, spec)
+    state = flatten_params(named if named is not None else list(model.named_parameters()), spec)
     state.update(flatten_optimizer(optimizer.local_state(), spec))
     state.update(_shared(model, optimizer, spec) if captured is None else captured)
     state[rng_key(rank)] = torch.get_rng_state() if rng is None else rng
@@ -488,12 +617,18 @@ class Reader(Protocol):
     def get(self, key: str) -> torch.Tensor: ...
 
     def state_names(self, prefix: str) -> list[str]:
-        """Names of the optimizer state tensors stored under `prefix/`."""
+        """Names of the optimizer state tensors stored under `prefix/` (a piece's name
+        with its `@offsets` suffix)."""
+        ...
+
+    def pieces(self, key: str) -> list[tuple[str, Box]]:
+        """Every stored piece of the tensor whose stable key is `key` (no suffix): its
+        key and its box (the whole tensor for a key without a suffix)."""
         ...
 
 
 def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
-                    spec: ExpertSpec, rank: int) -> None:
+                    spec: ExpertSpec, rank: int, named: Named | None = None) -> None:
     """Install this rank's share of a checkpoint: its parameters and persistent buffers,
     the optimizer state of the parameters it owns, the optimizer's hyperparameters, its
     RNG. Everything is read (and checked) before anything is installed, so a corrupt key
@@ -501,32 +636,41 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
 
     A checkpoint written before buffers and param groups were saved lacks their keys:
     those keep their current values, with a warning."""
-    params = {k: reader.get(k) for k in flatten_params(model, spec)}
+    named = named if named is not None else list(model.named_parameters())
+    wholes = whole_shapes(named, spec)
+    params = {k: read_piece(reader, k, tuple(t.shape), wholes[k])
+              for k, t in flatten_params(named, spec).items()}
     buffers = persistent_buffers(model, spec)
-    missing = sorted(n for n in buffers if buffer_key(n) not in reader)
-    buffer_values = {n: _fetch(reader.get, buffer_key(n), b)
+    missing = sorted(n for n in buffers if not reader.pieces(buffer_key(n)))
+    buffer_values = {n: read_piece(reader, piece_key(buffer_key(n), n, b),
+                                   tuple(local(b).shape), tuple(b.shape))
                      for n, b in buffers.items() if n not in missing}
     hyper = _read_hyperparameters(reader, optimizer, spec)
     experts = spec.by_name()
-    named = dict(model.named_parameters())
-    owned = {n: named[n] for n in optimizer.owned_names()}
+    by_name = dict(named)
+    owned = {n: by_name[n] for n in optimizer.owned_names()}
     names = {}
     for n in owned:
         if n in experts:
             prefix = expert_key("optim", experts[n].stem, experts[n].global_ids[0])
         else:
             prefix = dense_key("optim", n)
-        names[n] = reader.state_names(prefix)
+        names[n] = _state_kinds(reader, prefix)
     with_state = {n: p for n, p in owned.items() if names[n]}
-    states = optimizer_state(with_state, names, spec, reader.get)
+
+    def get(key: str, piece: str | None, shape: tuple[int, ...], whole: tuple[int, ...]
+            ) -> torch.Tensor:
+        return reader.get(key) if piece is None else read_piece(reader, piece, shape, whole)
+
+    states = optimizer_state(with_state, names, spec, get)
     # A model-only restore (inference) leaves the process's RNG alone: it resumes no run.
     model_only = isinstance(optimizer, NoOptimizer)
     rng = reader.get(rng_key(rank)) if rng_key(rank) in reader and not model_only else None
 
-    load_params(model, spec, params.__getitem__)
+    load_params(named, spec, params.__getitem__)
     with torch.no_grad():
         for n, t in buffer_values.items():
-            buffers[n].copy_(t)
+            local(buffers[n]).copy_(t)
     optimizer.load_local_state(states)
     if hyper is not None:
         optimizer.load_hyperparameters(hyper)  # type: ignore[attr-defined]
@@ -536,6 +680,21 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
                     _few(missing))
     if rng is not None:
         torch.set_rng_state(rng.clone())  # a view into a mapped file would crash it
+
+
+def _state_kinds(reader: Reader, prefix: str) -> list[tuple[str, bool]]:
+    """(name, is a scalar) of each optimizer state tensor stored under `prefix/`: a
+    scalar (AdamW's `step`) is stored whole under its own key on every layout, a tensor
+    as the pieces its layout held."""
+    out: dict[str, bool] = {}
+    for name in reader.state_names(prefix):
+        base, offsets = split_key(name)
+        if offsets is not None:
+            out[base] = False
+            continue
+        pieces = reader.pieces(f"{prefix}/{base}")
+        out.setdefault(base, not pieces or pieces[0][1].shape == ())
+    return sorted(out.items())
 
 
 def _read_hyperparameters(reader: Reader, optimizer: OptimizerState, spec: ExpertSpec
@@ -562,14 +721,77 @@ class RankState:
     optimizer: OptimizerState
     spec: ExpertSpec
     rank: int
+    pieces: int = field(default=0, init=False)
+    """A checksum of the boxes this model's DTensors are cut into (0: no DTensor sharded
+    over the ranks): the same on every rank of a job, different for another layout."""
+    placements: dict[str, Placed] = field(default_factory=dict)
+    """Every piece of each DTensor parameter this rank holds part of, with the ranks
+    that hold it, as every rank of the job reported it (`placed`); empty until then,
+    and the units of a plan fall back to what this rank's mesh says."""
+    named: Named = field(default=(), init=False)
+    """The model's parameters by name, as it held them when the engine was built. Kept,
+    not looked up at each save: FSDP2 swaps a module's sharded parameters for unsharded
+    ones during forward and backward, while a two-level snapshot copies behind the
+    forward; the sharded ones are the optimizer's, and the state."""
 
     def __post_init__(self) -> None:
-        persistent_buffers(self.model, self.spec)  # an expert buffer: refused at construction
+        # An expert buffer, or a DTensor whose layout moc cannot save: refused at
+        # construction, never from inside a save.
+        for name, b in persistent_buffers(self.model, self.spec).items():
+            sharding = sharding_of(name, b)
+            if sharding is not None and not sharding.whole:
+                raise UnsupportedLayoutError(
+                    f"persistent buffer {name!r} is a DTensor sharded over the ranks "
+                    f"({tuple(b.placements)}); moc saves buffers whole: replicate it "
+                    "(Replicate()) or keep it a plain tensor")
+        named = tuple(self.model.named_parameters())
+        _check_sharded(self.model)
+        object.__setattr__(self, "named", named)
+        pieces = []
+        for name, p in named:
+            sharding = sharding_of(name, p)
+            if sharding is not None and not sharding.whole:
+                pieces.append(f"{name}:{[b for b, _ in sharding.pieces]}")
+        # The layout's boxes, as a number manifests and snapshots record (0: none).
+        object.__setattr__(self, "pieces",
+                           zlib.crc32("|".join(pieces).encode()) if pieces else 0)
+
+    def placed(self, all_gather: Callable[[Any], list[Any]]) -> RankState:
+        """This state with `placements`: which ranks hold each piece, from every rank's
+        own piece (one all-gather, collective). A DTensor's mesh may be a slice of a
+        larger one (FSDP2 over dp_shard of a dp_shard x ep mesh): its own mesh then names
+        only some of the ranks that hold the same piece, and two ranks that each think
+        they alone hold it would both write it. Raises UnsupportedLayoutError when the
+        pieces of all ranks do not tile a tensor."""
+        mine = {}
+        for name, p in self.named:
+            sharding = sharding_of(name, p)
+            if sharding is not None and not sharding.whole:
+                mine[name] = [list(sharding.mine.offsets), list(sharding.mine.shape)]
+        every = all_gather(mine)
+        placements: dict[str, Placed] = {}
+        for name, p in self.named:
+            if name not in mine:
+                continue
+            held: dict[Box, list[int]] = {}
+            for rank, boxes in enumerate(every):
+                if name not in boxes:
+                    raise UnsupportedLayoutError(
+                        f"{name} is a DTensor sharded over the ranks here but not on rank "
+                        f"{rank}; build the same layout on every rank")
+                held.setdefault(Box(tuple(boxes[name][0]), tuple(boxes[name][1])), []).append(rank)
+            if not tiles(tuple(p.shape), [b for b in held if b.numel]):
+                raise UnsupportedLayoutError(
+                    f"{name}: the pieces the ranks hold do not tile its {tuple(p.shape)}; "
+                    "build the same layout on every rank")
+            placements[name] = tuple((b, tuple(r)) for b, r in sorted(held.items()) if b.numel)
+        return replace(self, placements=placements)
 
     def flatten(self, rng: torch.Tensor | None = None,
                 captured: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """`local_state`: everything this rank holds under stable keys, as views."""
-        return local_state(self.model, self.optimizer, self.spec, self.rank, rng, captured)
+        return local_state(self.model, self.optimizer, self.spec, self.rank, rng, captured,
+                           self.named)
 
     def capture(self) -> dict[str, torch.Tensor]:
         """What an asynchronous snapshot takes when the checkpoint is requested, not
@@ -587,7 +809,20 @@ class RankState:
 
     def load(self, reader: Reader) -> None:
         """`load_rank_state`: read and check everything this rank holds, then install it."""
-        load_rank_state(reader, self.model, self.optimizer, self.spec, self.rank)
+        load_rank_state(reader, self.model, self.optimizer, self.spec, self.rank, self.named)
+
+
+def _check_sharded(model: nn.Module) -> None:
+    """UnsupportedLayoutError for an FSDP2 module whose parameters are unsharded now
+    (built between a forward and its backward, or under `unshard()`): the engine keeps
+    the parameters it sees when it is built, and those would not be the optimizer's."""
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and any(
+                not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            raise UnsupportedLayoutError(
+                f"the FSDP2 module {name or type(model).__name__!r} holds unsharded "
+                "parameters now; build the checkpointer when the model is sharded: after "
+                "fully_shard, before the first forward or after a backward")
 
 
 def shared_state(state: RankState) -> dict[str, torch.Tensor]:

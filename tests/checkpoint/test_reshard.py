@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
 def _global_state(model, opt) -> dict[str, torch.Tensor]:
     spec = ExpertSpec.infer(model)
-    state = {k: v.clone() for k, v in flatten_params(model, spec).items()}
+    state = {k: v.clone() for k, v in flatten_params(list(model.named_parameters()), spec).items()}
     state.update({k: v.clone() for k, v in flatten_optimizer(opt.local_state(), spec).items()})
     return state
 

@@ -34,8 +34,11 @@ class ChainState:
     """
 
     def __init__(self, spec: ExpertSpec, policy: PECPolicy, ep: int,
-                 model_config: dict[str, Any] | None = None) -> None:
+                 model_config: dict[str, Any] | None = None, pieces: int = 0) -> None:
         self.spec = spec
+        self.pieces = pieces
+        """The layout's boxes (`RankState.pieces`): a manifest of other boxes starts a
+        new chain."""
         self.policy = policy
         self.ep = ep
         self.stems = spec.stems()
@@ -53,6 +56,15 @@ class ChainState:
     def _zeros(self) -> torch.Tensor:
         return torch.zeros((self.spec.n_moe_layers, self.spec.n_experts), dtype=torch.int64)
 
+    def layout(self, world_size: int, ep: int) -> dict[str, int]:
+        """The parallel layout as manifests and snapshots record it; with DTensors, the
+        boxes their pieces are cut into ("pieces", `RankState.pieces`): a chain, and a
+        memory snapshot, continue only on the layout that wrote them."""
+        out = {"world_size": world_size, "ep": ep}
+        if self.pieces:
+            out["pieces"] = self.pieces
+        return out
+
     @property
     def entries(self) -> dict[str, Entry]:
         return self.manifest.entries if self.manifest is not None else {}
@@ -66,7 +78,13 @@ class ChainState:
     # -- changes -----------------------------------------------------------------------------
 
     def advance(self, manifest: Manifest) -> None:
-        """`manifest` is committed: the chain continues from it."""
+        """`manifest` is committed (or restored): the chain continues from it, unless
+        it cuts DTensors into other pieces than this layout does (`EngineParts.layout`'s
+        "pieces"): the next checkpoint then starts a chain, so that no expert is ever
+        made of pieces of two steps."""
+        if manifest.layout.get("pieces", 0) != self.pieces:
+            self.reset()
+            return
         self.manifest = manifest
         self.index = int(manifest.policy.get("index", -1)) + 1
         self.saved_at = self.newest_copies(manifest.entries)

@@ -14,6 +14,12 @@ Keys that are neither a parameter's nor its optimizer state's, but the same on e
 modules are: a buffer goes with its module's parameters, anything else is a unit of its
 own; each is written by exactly one rank, and at every checkpoint (`ChainState.wanted`
 wants every non-expert key).
+
+A DTensor (FSDP2, DTensor expert or tensor parallelism; `moc.checkpoint.shards`) is
+written piece by piece: each distinct box of it is a unit of its own, held by the ranks
+whose local tensor it is (one rank under plain FSDP2: it writes its own piece; several
+when a mesh dimension replicates it: the plan picks one). Every rank enumerates every box
+from the mesh and placements, so the units stay the same everywhere.
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from moc.checkpoint.plan.writes import DENSE, EXPERT, FIXED, WriteUnit, plan_writes
-from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec, buffer_key, expert_key, param_key_of
-from moc.checkpoint.state import RankState, persistent_buffers
+from moc.checkpoint.shards import Box, Sharding, sharding_of
+from moc.checkpoint.spec import (
+    PARAM_GROUPS_KEY,
+    ExpertParam,
+    ExpertSpec,
+    buffer_key,
+    expert_key,
+    param_key_of,
+)
+from moc.checkpoint.state import Placed, RankState, persistent_buffers
 from moc.topology import ParallelLayout
 
 OPTIM_BYTES_PER_PARAM_BYTE = 2
@@ -38,18 +52,25 @@ Wanted = Callable[[str], bool]
 
 def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: ParallelLayout,
                 owner_of: OwnerOf | None, wanted: Wanted,
-                shared: Iterable[tuple[str, int]] = ()
+                shared: Iterable[tuple[str, int]] = (),
+                shardings: dict[str, Sharding] | None = None,
+                placements: dict[str, Placed] | None = None
                 ) -> tuple[list[WriteUnit], dict[str, str]]:
     """The plan's units, the same on every rank, and the unit of each parameter key and
     shared key.
 
-    `params`: (name, bytes) of every parameter this rank holds, in `named_parameters()`
-    order. With `owner_of` (a sharded optimizer) each rank's owned optimizer state is a
-    unit of its own (one holder); without it, optimizer state is replicated with its
-    parameter and travels in the parameter's unit. `shared`: (key, bytes) of the other
-    keys every rank holds the same copy of: a `buffer/<module>.<name>` joins its module's
-    unit, any other key is a unit of its own.
+    `params`: (name, bytes of the whole tensor) of every parameter this rank holds, in
+    `named_parameters()` order. With `owner_of` (a sharded optimizer) each rank's owned
+    optimizer state is a unit of its own (one holder); without it, optimizer state is
+    replicated with its parameter and travels in the parameter's unit. `shared`: (key,
+    bytes) of the other keys every rank holds the same copy of: a `buffer/<module>.<name>`
+    joins its module's unit, any other key is a unit of its own. `shardings`: the layout
+    of each non-expert parameter that is a DTensor, by name (an expert parameter's is in
+    its `ExpertParam`): a unit per piece, held by the ranks `placements` names
+    (`RankState.placements`; by default, those of the DTensor's own mesh).
     """
+    shardings = shardings or {}
+    placements = placements or {}
     world = layout.world_size
     everyone = tuple(range(world))
     replicated_optim = owner_of is None
@@ -66,6 +87,16 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
 
     experts = spec.by_name()
     for name, nbytes in params:
+        if name in shardings:
+            sharding = shardings[name]
+            for i, (box, who) in enumerate(placements.get(name, sharding.pieces)):
+                key = f"param/{name}{sharding.suffix(box)}"
+                unit_of[key] = f"dense:{key}"
+                add(unit_of[key], nbytes * box.numel // max(1, _numel(sharding)) * factor,
+                    who, DENSE)
+                if i == 0:  # its scalar optimizer state (AdamW's step) goes with piece 0
+                    unit_of[f"param/{name}"] = unit_of[key]
+            continue
         if name not in experts:
             unit = f"dense:{name.rsplit('.', 1)[0]}"
             add(unit, nbytes * factor, everyone, DENSE)
@@ -75,6 +106,10 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
                 fixed[owner_of(name, 0)] += nbytes * OPTIM_BYTES_PER_PARAM_BYTE
             continue
         ep = experts[name]
+        if ep.sharding is not None:
+            _expert_pieces(ep, placements.get(name, ep.sharding.pieces), nbytes, unit_of,
+                           add, wanted, replicated_optim)
+            continue
         per_expert = nbytes // len(ep.global_ids)
         for gid in range(spec.n_experts):  # every expert, local or not
             key = expert_key("param", ep.stem, gid)
@@ -97,6 +132,36 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
     units = [WriteUnit(u, sizes[u], holders[u], kinds[u]) for u in sizes]
     units += [WriteUnit(f"owned:{r}", fixed[r], (r,), FIXED) for r in everyone]
     return units, unit_of
+
+
+def _numel(sharding: Sharding) -> int:
+    return Box.whole(sharding.global_shape).numel
+
+
+def _expert_pieces(ep: ExpertParam, pieces: Placed, nbytes: int, unit_of: dict[str, str],
+                   add: Callable[[str, int, tuple[int, ...], str], None], wanted: Wanted,
+                   replicated_optim: bool) -> None:
+    """The units of a DTensor expert tensor: one per (expert, piece of it), held by the
+    ranks whose box holds it (`pieces`). A scalar optimizer state (AdamW's `step`, one
+    per expert) goes with the expert's first piece."""
+    sharding = ep.sharding
+    assert sharding is not None
+    whole = sharding.global_shape
+    for box, who in pieces:
+        rows = (range(box.offsets[0], box.offsets[0] + box.shape[0])
+                if ep.expert_dim is not None else ep.global_ids)
+        inner = Box(box.offsets[1:], box.shape[1:]) if ep.expert_dim is not None else box
+        outer = whole[1:] if ep.expert_dim is not None else whole
+        piece = "" if inner.shape == tuple(outer) else inner.suffix()
+        size = nbytes * inner.numel // max(1, Box.whole(whole).numel)
+        for gid in rows:
+            key = expert_key("param", ep.stem, gid) + piece
+            unit = unit_of[key] = f"expert:{ep.moe_layer}:{gid}{piece}"
+            unit_of.setdefault(expert_key("param", ep.stem, gid), unit)
+            total = size * wanted(key)
+            if replicated_optim and wanted(expert_key("optim", ep.stem, gid, "exp_avg") + piece):
+                total += size * OPTIM_BYTES_PER_PARAM_BYTE
+            add(unit, total, who, EXPERT)
 
 
 def sharded_keys(keys: Iterable[str], wanted: Wanted, units: list[WriteUnit],
@@ -127,11 +192,15 @@ def rank_share(state: RankState, layout: ParallelLayout, keys: Iterable[str], wa
     """The keys among `keys` (this rank's flattened state) that this rank writes under
     the fully sharded plan. A sharded optimizer is recognised by its `owner_of`."""
     owner_of: OwnerOf | None = getattr(state.optimizer, "owner_of", None)
-    params = [(n, p.numel() * p.element_size()) for n, p in state.model.named_parameters()]
+    params = [(n, p.numel() * p.element_size()) for n, p in state.named]
+    experts = state.spec.by_name()
+    shardings = {n: sh for n, p in state.named
+                 if n not in experts and (sh := sharding_of(n, p)) is not None}
     shared = [(buffer_key(n), b.numel() * b.element_size())
               for n, b in persistent_buffers(state.model, state.spec).items()]
     # The param groups' JSON is a few hundred bytes: its size does not change the plan.
     shared.append((PARAM_GROUPS_KEY, 0))
-    units, unit_of = write_units(params, state.spec, layout, owner_of, wanted, shared)
+    units, unit_of = write_units(params, state.spec, layout, owner_of, wanted, shared,
+                                 shardings, state.placements)
     return sharded_keys(keys, wanted, units, unit_of, state.rank, layout.world_size,
                         sharded_optim=owner_of is not None)

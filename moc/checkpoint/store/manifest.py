@@ -15,6 +15,7 @@ from typing import Any
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.lineage import Lineage
+from moc.checkpoint.shards import split_key
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import (
     BITS,
@@ -42,13 +43,19 @@ the line of training that wrote it, `moc.checkpoint.lineage`). Entries are versi
 a 64-bit XXH3 ("xxh3") over bytes, dtype and shape (format.checksum), or, for a tensor
 an older step wrote and this one inherits, that step's CRC32C ("crc32c", version 3) or
 CRC32 ("crc32", version 2), kept as it was."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PIECES_VERSION = 6
+"""Version 6: version 5, and keys of pieces (`<key>@<offsets>`: a part of a tensor, as one
+rank of a DTensor layout held it; `moc.checkpoint.shards`). Written only by a manifest
+that holds pieces, so that every other checkpoint stays readable by releases that read
+up to version 5, and a release that cannot assemble pieces refuses the step in one line
+instead of reporting its keys missing."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 """Version 4: as 5 without `run` (its lineage is unknown). Version 3: "crc32c" (CRC32C)
 or an inherited "crc32". Version 2: every entry's "crc32", zlib's CRC32 over bytes,
 dtype and shape. Version 1: "crc32" of the bytes alone, converted to version 2's meaning
 on load."""
-ENTRY_ALGORITHMS = {5: (XXH3, CRC32C, CRC32), 4: (XXH3, CRC32C, CRC32), 3: (CRC32C, CRC32),
-                    2: (CRC32,), 1: (CRC32,)}
+ENTRY_ALGORITHMS = {6: (XXH3, CRC32C, CRC32), 5: (XXH3, CRC32C, CRC32),
+                    4: (XXH3, CRC32C, CRC32), 3: (CRC32C, CRC32), 2: (CRC32,), 1: (CRC32,)}
 """The checksum fields an entry of each version may have (exactly one)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """A manifest lists keys, not tensors: a model of a million keys needs a few hundred MB.
@@ -142,6 +149,8 @@ class Manifest:
                 # Absent rather than empty: a manifest without it stays readable by
                 # releases that refuse unknown fields (0.3.0).
                 del d[name]
+        if any("@" in k for k in self.entries):
+            d["version"] = PIECES_VERSION
         d = {"format": FORMAT_NAME, **d}
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
@@ -320,6 +329,17 @@ def _int_table(x: object, rows: int | None, cols: int | None, what: str) -> list
     return x
 
 
+def _piece(key: str, entry: Entry, version: int) -> None:
+    """A piece's key (`<key>@<offsets>`) must be of version 6 on, with one offset per
+    dimension of its shape."""
+    base, offsets = split_key(key)
+    if version < PIECES_VERSION or offsets is None or not base:
+        raise _Malformed(f"entries: {key!r} is not a key of version {version}")
+    if len(offsets) != len(entry.shape):
+        raise _Malformed(f"entries: {key!r} has {len(offsets)} offsets for the "
+                         f"{len(entry.shape)} dimensions of its shape {list(entry.shape)}")
+
+
 def _parse(d: dict[str, Any], version: int, known: dict[str, Entry]) -> Manifest:
     unknown = set(d) - FIELDS
     if unknown:
@@ -329,13 +349,15 @@ def _parse(d: dict[str, Any], version: int, known: dict[str, Entry]) -> Manifest
         raise _Malformed(f"mode is {d['mode']!r}, expected a string")
     layout = {k: _uint(v, f"layout.{k}") for k, v in _dict(d["layout"], "layout").items()}
     model = _dict(d["model"], "model")
-    if version != FORMAT_VERSION:
+    if version < FORMAT_VERSION:
         known = {}  # older entries are converted on the way in: never the same JSON
     entries = {}
     for k, e in _dict(d["entries"], "entries").items():
         old = known.get(k)
         entries[k] = (old if old is not None and old.step <= step and _unchanged(e, old)
                       else _entry(e, k, step, version))
+        if "@" in k:
+            _piece(k, entries[k], version)
     files = {}
     for name, size in _dict(d.get("files", {}), "files").items():
         if not is_rank_file(name):

@@ -427,6 +427,6 @@ def align_expert_replicas(state: RankState, dist: Dist, freshness: list[int]) ->
     if all(freshness[r] == freshness[best] for r in members):
         return
     experts = state.spec.by_name()
-    for name, p in state.model.named_parameters():
+    for name, p in state.named:
         if name in experts:
             p.copy_(dist.broadcast_edp_(p.detach().cpu().clone(), src=best))

@@ -410,7 +410,7 @@ class SnapshotPlanner:
                                    self.k_snapshot, self.snap_index, g.layout.ep,
                                    written if persist_now else None,
                                    chain.manifest is None or final)
-        layout = {"world_size": g.world_size, "ep": g.layout.ep}
+        layout = chain.layout(g.world_size, g.layout.ep)
         meta = {"extra": extra, "ledger": ledger.to_json(), **ledger.policy_json(),
                 "snap_index": self.snap_index, "k_snapshot": self.k_snapshot,
                 "model": cfg.model_meta, "layout": layout, "run_id": cfg.run_id,

@@ -359,7 +359,7 @@ def test_duplicate_json_keys_are_corrupt():
         Manifest.from_json(text.replace('{', '{"mode": "evil", ', 1), "m")
 
 
-@pytest.mark.parametrize("version", [0, 6, 99])
+@pytest.mark.parametrize("version", [0, 7, 99])
 def test_another_int_version_is_incompatible(version):
     with pytest.raises(IncompatibleCheckpointError, match="format version"):
         Manifest.from_json(_tampered_manifest(_set("version", version)), "m")

@@ -8,8 +8,8 @@ import pytest
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.store.manifest import (
-    FORMAT_VERSION,
     MAX_DIFFS_SHOWN,
+    READABLE_VERSIONS,
     Entry,
     Manifest,
     check_model,
@@ -34,7 +34,8 @@ def test_manifest_round_trips():
 
 @pytest.mark.parametrize(("text", "error", "match"), [
     ("{not json", CorruptCheckpointError, "not valid JSON"),
-    (_manifest_json(version=FORMAT_VERSION + 1), IncompatibleCheckpointError, "format version"),
+    (_manifest_json(version=max(READABLE_VERSIONS) + 1), IncompatibleCheckpointError,
+     "format version"),
     (_manifest_json(entries=None), CorruptCheckpointError, "lacks entries"),
     (_manifest_json(entries={"k": {"step": 1}}), CorruptCheckpointError, "malformed"),
     (_manifest_json(format="other"), CorruptCheckpointError, "not a moc manifest"),

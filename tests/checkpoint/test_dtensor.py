@@ -1,0 +1,206 @@
+"""FSDP2 and DTensor expert parallelism (the layout torchtitan trains MoE models with),
+checkpointed by both engines on real gloo ranks, and restored on the same layout, into
+one plain process, on 4 ranks, and from a 2-D mesh onto 2 ranks: bitwise, by reading
+slices of the pieces each layout wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import moc
+from moc.checkpoint.shards import UnsupportedLayoutError
+from tests.checkpoint import dtensor_moe as tm
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+ENGINES = {"sync": moc.Checkpointer, "twolevel": moc.TwoLevelCheckpointer}
+STEPS, EVERY = 6, 2
+PARTIAL = 4
+"""The step restored: a partial one (the two-level engine's close() completes step 6)."""
+
+
+def _engine(kind: str, model: nn.Module, opt: torch.optim.Optimizer, root: str,
+            policy: moc.PECPolicy):
+    return ENGINES[kind](model, opt, root, policy=policy)
+
+
+class Counts:
+    """The test's own router counts: tokens per (layer, expert) at every step, summed
+    over the ranks as the checkpoint's ledger sums them."""
+
+    def __init__(self, model: tm.MoE) -> None:
+        self.now = torch.zeros(tm.LAYERS, tm.E, dtype=torch.int64)
+        for layer, block in enumerate(model.layers):
+            block.router.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def hook(module, args, out):
+            ids = tm.top1(module, args, out.detach()).flatten()
+            self.now[layer] += torch.bincount(ids, minlength=tm.E)
+        return hook
+
+    def summed(self) -> torch.Tensor:
+        t = self.now.clone()
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return t
+
+
+def _train(rank: int, world: int, kind: str, root: str):
+    """2 ranks: FSDP2 + DTensor EP, PEC K=1, routing watched; every saved step's whole
+    state and the router counts (the test's own) at each step."""
+    model = tm.build(tm.mesh_of((world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = _engine(kind, model, opt, root, moc.PECPolicy(k=1))
+    engine.watch_routing(model, routers={i: b.router for i, b in enumerate(model.layers)},
+                         indices=tm.top1)
+    counts = Counts(model)
+    states, cumulative = {}, {}
+    for step in range(1, STEPS + 1):
+        tm.train_step(model, opt, step)
+        cumulative[step] = counts.summed()
+        if step % EVERY == 0:
+            engine.save(step)
+            engine.wait_for_snapshot()
+            states[step] = tm.full_state(model, opt)
+    engine.close()
+    return states, cumulative
+
+
+def _restore(rank: int, world: int, kind: str, root: str, mesh: tuple[int, ...] | None,
+             step: int | None = None):
+    model = tm.build(tm.mesh_of(mesh) if mesh else None, seed=7)  # not the trained values
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = _engine(kind, model, opt, root, moc.PECPolicy(k=1))
+    report = engine.restore(step=step)
+    out = tm.full_state(model, opt)
+    engine.close()
+    return report, out
+
+
+def _expected(root: Path, states: dict, step: int) -> dict[str, torch.Tensor]:
+    """What a restore of `step` must install, from the manifest's own account of where
+    each expert's newest copy is and the states recorded when each step was saved."""
+    manifest = json.loads((root / f"step-{step:08d}" / "manifest.json").read_text())
+    want = {k: v.clone() for k, v in states[step].items()}
+    for key, entry in manifest["entries"].items():
+        if "/expert=" not in key or key.endswith("/step"):
+            continue
+        kind, rest = key.split("/", 1)
+        stem, _, tail = rest.partition("/expert=")
+        gid, _, state = tail.partition("/")
+        name = f"{kind}/{stem}" + (f"/{state}" if state else "")
+        want[name][int(gid)] = states[entry["step"]][name][int(gid)]
+    return want
+
+
+def _same(got: dict, want: dict) -> list[str]:
+    """Keys that differ. A batched expert tensor's AdamW `step` is one scalar for the
+    experts a rank holds (the newest of their copies), so it depends on the layout."""
+    bad = [k for k in want if not (".experts." in k and k.endswith("/step"))
+           and not torch.equal(got[k], want[k])]
+    return bad + sorted(set(want) ^ set(got))
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_fsdp2_dtensor_ep_restores_bitwise_on_its_layout_in_one_process_and_on_4_ranks(
+        tmp_path, kind):
+    root = str(tmp_path / "ckpt")
+    states, cumulative = run_ranks(_train, 2, kind, root)[0]
+    manifest = json.loads((tmp_path / "ckpt" / f"step-{PARTIAL:08d}" / "manifest.json")
+                          .read_text())
+    # Pieces: FSDP2's dense rows by offset, the EP experts whole by global id.
+    assert "param/layers.0.attn.weight@4,0" in manifest["entries"]
+    assert "param/layers.1.experts.w1/expert=3" in manifest["entries"]
+    assert [len(ids) for ids in manifest["experts_saved"].values()] == [1, 1]  # K=1
+
+    want = _expected(tmp_path / "ckpt", states, PARTIAL)
+    entries = json.loads((tmp_path / "ckpt" / f"step-{PARTIAL:08d}" / "manifest.json")
+                         .read_text())["entries"]
+    at_save = torch.tensor([[cumulative[entries[f"param/layers.{m}.experts.w1/expert={e}"]
+                                        ["step"]][m, e] for e in range(tm.E)]
+                            for m in range(tm.LAYERS)])
+    lost = cumulative[PARTIAL] - at_save  # each expert: the tokens since its newest copy
+    assert lost.sum() > 0
+    plt = float((lost.sum(1).double() / cumulative[PARTIAL].sum(1).double()).mean())
+    targets = {"same layout": (2, (2,)), "one plain process": (1, None), "4 ranks": (4, (4,))}
+    for label, (world, mesh) in targets.items():
+        # The first rolls back to the partial step (setting step 6 aside); then it is the
+        # newest.
+        report, got = run_ranks(_restore, world, kind, root, mesh, PARTIAL)[0]
+        assert report.step == PARTIAL, label
+        assert not _same(got, want), (label, _same(got, want))
+        # The ledger's account of what the restore lost, against the test's own counts.
+        assert report.lost_tokens == int(lost.sum()), label
+        assert report.plt == pytest.approx(plt), label
+
+
+def _train_2d(rank: int, world: int, root: str):
+    model = tm.build(tm.mesh_of((2, 2)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    for step in (1, 2):
+        tm.train_step(model, opt, step)
+    engine.save(2)
+    engine.close()
+    return tm.full_state(model, opt)
+
+
+def test_a_2d_mesh_dp_shard_by_ep_on_4_ranks_restores_bitwise_on_2_ranks(tmp_path):
+    root = str(tmp_path / "ckpt")
+    want = run_ranks(_train_2d, 4, root)[0]
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000002" / "manifest.json").read_text())
+    # The experts are replicated over dp_shard: each piece is written by one rank only.
+    written = [k for f in manifest["files"] for k in _keys(tmp_path / "ckpt" / "step-00000002" / f)]
+    assert len(written) == len(set(written)) == len(manifest["entries"])
+    assert "param/layers.0.experts.w1/expert=1" in written
+    report, got = run_ranks(_restore, 2, "sync", root, (2,))[0]
+    assert report.step == 2
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad and set(got) == set(want), bad
+
+
+def _keys(path: Path) -> list[str]:
+    """The tensor keys of a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+def _refused(rank: int, world: int, root: str):
+    mesh1 = tm.mesh_of((world,))
+    messages = []
+    partial = tm.build(mesh1)
+    w = partial.layers[0].experts.w1
+    partial.layers[0].experts.w1 = nn.Parameter(DTensor.from_local(
+        w.full_tensor(), mesh1, [Partial()], run_check=False))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    strided = tm.build(None)
+    strided.layers[0].attn.weight = nn.Parameter(distribute_tensor(
+        strided.layers[0].attn.weight.data, mesh2,
+        [Shard(0), _StridedShard(0, split_factor=2)]))
+    for model in (partial, strided):
+        with pytest.raises(UnsupportedLayoutError) as e:
+            moc.Checkpointer(model, torch.optim.AdamW(model.parameters()), root)
+        messages.append(str(e.value))
+    return messages
+
+
+def test_a_layout_moc_cannot_save_is_refused_at_construction_in_one_line(tmp_path):
+    partial, strided = run_ranks(_refused, 4, str(tmp_path / "ckpt"))[0]
+    for message in (partial, strided):
+        assert "\n" not in message
+    assert "layers.0.experts.w1" in partial and "Partial" in partial, partial
+    assert "layers.0.attn.weight" in strided and "_StridedShard" in strided, strided
+    assert not (tmp_path / "ckpt").exists() or not any(
+        p.name.startswith("step-") for p in (tmp_path / "ckpt").iterdir())
