@@ -24,6 +24,7 @@ from moc.checkpoint.errors import (
     IncompatibleCheckpointError,
 )
 from moc.checkpoint.recovery import CheckpointReader, line_problems
+from moc.checkpoint.shards import extent, piece_index, split_key, tiles
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.backend import ObjectPath, open_root
 from moc.checkpoint.store.identity import RUN_FILE, read_run_id
@@ -304,6 +305,8 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
             elif path.stat().st_size != size:
                 report.flag(path, f"size is {path.stat().st_size} bytes, manifest of step "
                                   f"{step} records {size}")
+        if not _pieces_tile(root, manifest, report) and step not in report.damaged_steps:
+            report.damaged_steps.append(step)
         reader = CheckpointReader(root, manifest)
         for key, entry in manifest.entries.items():
             path = entry.path(root)
@@ -320,6 +323,27 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     report.files = len(files)
     report.damaged_steps.sort()
     return report
+
+
+def _pieces_tile(root: Path | ObjectPath, manifest: Manifest, report: VerifyReport) -> bool:
+    """Whether every tensor stored as pieces (a DTensor layout) is tiled by them: each
+    element in exactly one piece, up to the parameter's shape where the manifest's model
+    description records it (a lost last piece leaves no gap otherwise). A gap or an
+    overlap is flagged on the manifest."""
+    ok = True
+    dense = manifest.model.get("dense") if isinstance(manifest.model, dict) else None
+    for key, stored in piece_index((k, e.shape) for k, e in manifest.entries.items()).items():
+        if len(stored) == 1 and split_key(stored[0][0])[1] is None:
+            continue  # stored whole
+        boxes = [b for _, b in stored]
+        name = key.split("/")[1] if key.startswith(("param/", "optim/")) else None
+        whole = dense.get(name) if isinstance(dense, dict) else None
+        shape = tuple(whole) if isinstance(whole, list) else extent(boxes)
+        if not tiles(shape, boxes):
+            report.flag(step_dir(root, manifest.step) / MANIFEST,
+                        f"the pieces of {key} do not tile it (a gap or an overlap)")
+            ok = False
+    return ok
 
 
 def _same_line(root: Path | ObjectPath, manifest: Manifest, run_id: str | None,

@@ -6,17 +6,22 @@ slices of the pieces each layout wrote."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import moc
+from moc.checkpoint.export import export
 from moc.checkpoint.shards import UnsupportedLayoutError
+from moc.checkpoint.store.format import ITEM_SIZES
+from moc.checkpoint.tools import format_verify, verify_checkpoints
 from tests.checkpoint import dtensor_moe as tm
 from tests.distributed import run_ranks
 
@@ -122,6 +127,15 @@ def test_fsdp2_dtensor_ep_restores_bitwise_on_its_layout_in_one_process_and_on_4
     assert "param/layers.0.attn.weight@4,0" in manifest["entries"]
     assert "param/layers.1.experts.w1/expert=3" in manifest["entries"]
     assert [len(ids) for ids in manifest["experts_saved"].values()] == [1, 1]  # K=1
+    # Bytes of the partial step: all non-expert state and K/N of the experts' (params and
+    # optimizer state), exactly.
+    def nbytes(e: dict) -> int:
+        return ITEM_SIZES[e["dtype"]] * math.prod(e["shape"])
+    entries = manifest["entries"]
+    experts = sum(nbytes(e) for k, e in entries.items() if "/expert=" in k)
+    dense = sum(nbytes(e) for k, e in entries.items() if "/expert=" not in k)
+    written = sum(nbytes(e) for e in entries.values() if e["step"] == PARTIAL)
+    assert written * tm.E == dense * tm.E + experts * 1
 
     want = _expected(tmp_path / "ckpt", states, PARTIAL)
     entries = json.loads((tmp_path / "ckpt" / f"step-{PARTIAL:08d}" / "manifest.json")
@@ -167,6 +181,21 @@ def test_a_2d_mesh_dp_shard_by_ep_on_4_ranks_restores_bitwise_on_2_ranks(tmp_pat
     assert report.step == 2
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad and set(got) == set(want), bad
+    # Export assembles the pieces from the files alone; verify checks that they tile.
+    out = tmp_path / "export"
+    export(root, out, format="safetensors")
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == {k[len("param/"):] for k in want if k.startswith("param/")}
+    assert all(torch.equal(exported[k], want[f"param/{k}"]) for k in exported)
+    assert verify_checkpoints(root).damaged_steps == []
+    path = tmp_path / "ckpt" / "step-00000002" / "manifest.json"
+    doc = json.loads(path.read_text())
+    last = max(k for k in doc["entries"] if k.startswith("param/layers.0.attn.weight@"))
+    del doc["entries"][last]  # the last piece: no gap inside what is left
+    path.write_text(json.dumps(doc))
+    report = verify_checkpoints(root)
+    assert report.damaged_steps == [2]
+    assert "pieces of param/layers.0.attn.weight do not tile it" in format_verify(report)
 
 
 def _keys(path: Path) -> list[str]:
