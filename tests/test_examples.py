@@ -1,5 +1,6 @@
-"""The examples run as users run them: examples/train_hf_ddp.py under a real torchrun with a
-real SIGKILL and restart, examples/minimal.py twice in one directory."""
+"""The examples run as users run them: examples/train_hf_ddp.py and
+examples/train_fsdp2_ep.py under a real torchrun with a real SIGKILL and restart,
+examples/minimal.py twice in one directory."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def run(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProc
     return r
 
 
-def torchrun(out: Path, *, fault_at: int | None = None) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *, fault_at: int | None = None, example: str = "train_hf_ddp.py"
+             ) -> subprocess.CompletedProcess:
     """The example's header commands: `--max-restarts 1 ... --fault-at S` for a fault."""
     restarts = ["--max-restarts", "1"] if fault_at is not None else []
     fault = ["--fault-at", str(fault_at)] if fault_at is not None else []
     return run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               *restarts, str(EXAMPLES / "train_hf_ddp.py"), "--out", str(out),
+               *restarts, str(EXAMPLES / example), "--out", str(out),
                "--steps", "20", *fault, cwd=out.parent)
 
 
@@ -79,7 +81,32 @@ def test_minimal_example_resumes_from_its_checkpoint_when_run_again(tmp_path):
     assert "step 30:" in second.stdout and "step 20:" not in second.stdout
 
 
-@pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py"])
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    root = tmp_path_factory.mktemp("fsdp2")
+    straight, faulted = root / "straight", root / "faulted"
+    return {"straight": (straight, torchrun(straight, example="train_fsdp2_ep.py")),
+            "faulted": (faulted, torchrun(faulted, fault_at=13, example="train_fsdp2_ep.py"))}
+
+
+def test_fsdp2_ep_example_resumes_from_memory_bitwise_after_a_sigkill(fsdp2_runs):
+    """FSDP2 + DTensor expert parallelism: the SIGKILLed job's ranks restore their
+    pieces from shared memory, and every loss equals the uninterrupted run's."""
+    (a, _), (b, r) = fsdp2_runs["straight"], fsdp2_runs["faulted"]
+    assert "restart 1: resumed from step 10 (memory), lost tokens 0" in r.stdout, r.stdout
+    assert [e["restart"] for e in losses(b)] == [0] * 12 + [1] * 10
+    straight = {e["step"]: e["hex"] for e in losses(a)}
+    assert sorted(straight) == list(range(1, 21))
+    for e in losses(b):
+        assert e["hex"] == straight[e["step"]], f"step {e['step']} (restart {e['restart']})"
+    assert float.fromhex(straight[20]) < float.fromhex(straight[1])  # it did learn
+    r = run(str(EXAMPLES / "train_fsdp2_ep.py"), "--compare", str(a), str(b), cwd=a.parent)
+    assert "every loss bitwise equal" in r.stdout
+    manifest = json.loads((b / "ckpt" / "step-00000020" / "manifest.json").read_text())
+    assert manifest["version"] == 6 and "param/layers.0.mix.weight@8,0" in manifest["entries"]
+
+
+@pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py", "train_fsdp2_ep.py"])
 def test_examples_answer_help(example, tmp_path):
     if example == "train_hf_ddp.py":
         pytest.importorskip("transformers")

@@ -60,6 +60,7 @@ from torch import nn
 
 from moc.checkpoint.parts import EngineParts, unwrap
 from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.shards import local
 from moc.checkpoint.spec import ExpertSpec
 
 IndicesFn = Callable[[nn.Module, tuple, Any], torch.Tensor]
@@ -243,13 +244,16 @@ class EngineRouting:
 
 
 def bincount(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """(E,) int64 count of each id, on the ids' device. A scatter-add, not
-    `torch.bincount`, which on CUDA reads the largest id back to the host (a sync).
+    """(E,) int64 count of each id, on the ids' device (of a DTensor, its local ids). A
+    scatter-add, not `torch.bincount`, which on CUDA reads the largest id back to the host
+    (a sync).
     Ids outside 0..E-1 raise on the CPU (and trip a device assert on CUDA)."""
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"routing indices must be an integer tensor of global expert ids, "
                         f"got {ids.dtype}")
-    flat = ids.reshape(-1).long()
+    # A DTensor router's output (tensor or sequence parallel): the tokens this rank
+    # routed, as the ledger sums every rank's counts; no collective, no sync.
+    flat = local(ids).reshape(-1).long()
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
 

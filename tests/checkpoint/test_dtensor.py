@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import moc
@@ -233,3 +233,36 @@ def test_a_layout_moc_cannot_save_is_refused_at_construction_in_one_line(tmp_pat
     assert "layers.0.attn.weight" in strided and "_StridedShard" in strided, strided
     assert not (tmp_path / "ckpt").exists() or not any(
         p.name.startswith("step-") for p in (tmp_path / "ckpt").iterdir())
+
+
+class _SequenceParallelRouter(nn.Module):
+    """A router whose weight is a replicated DTensor and whose logits are a DTensor
+    sharded over the tokens (sequence parallel): each rank holds its own tokens' logits."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(distribute_tensor(torch.randn(tm.E, tm.D), mesh,
+                                                     [Replicate()]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = DTensor.from_local(x, self.weight.device_mesh, [Shard(0)], run_check=False)
+        return tokens @ self.weight.t()
+
+
+def _dtensor_router(rank: int, world: int):
+    from moc.checkpoint.routing import RoutingRecorder
+    model = tm.build(tm.mesh_of((world,)))
+    router = _SequenceParallelRouter(model.layers[0].experts.w1.device_mesh)
+    spec = moc.ExpertSpec.infer(model)
+    recorder = RoutingRecorder(model, spec, routers={0: router}, indices=tm.top1)
+    x = torch.randn(10 + rank, tm.D, generator=torch.Generator().manual_seed(rank))
+    logits = router(x)
+    assert isinstance(logits, DTensor)
+    want = torch.bincount((x @ router.weight.to_local().t()).argmax(-1), minlength=tm.E)
+    return recorder.take()[0], want
+
+
+def test_watch_routing_counts_a_dtensor_routers_tokens_on_each_rank():
+    for got, want in run_ranks(_dtensor_router, 2):
+        assert torch.equal(got, want), (got, want)
