@@ -146,6 +146,13 @@ class Preemption:
                 self._timer.cancel()
                 self._timer = None
         self.settle()
+        if self._group not in (None, _UNSET) and dist.is_initialized():
+            # Its own group goes with it: left to the interpreter's exit, a gloo group
+            # destroyed after torch.distributed.tensor was imported aborted the process
+            # ("terminate called without an active exception", exit -6).
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._group)
+            self._group = None  # closed: no more agreement rounds
         if threading.current_thread() is threading.main_thread():
             for s, handler in self._previous.items():
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)

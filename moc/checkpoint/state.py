@@ -768,6 +768,8 @@ class RankState:
             sharding = sharding_of(name, p)
             if sharding is not None and not sharding.whole:
                 mine[name] = [list(sharding.mine.offsets), list(sharding.mine.shape)]
+        if not mine:  # no DTensor sharded over the ranks: nothing to gather
+            return self
         every = all_gather(mine)
         placements: dict[str, Placed] = {}
         for name, p in self.named:

@@ -127,6 +127,7 @@ def test_device_cuda_without_a_gpu_is_refused_before_any_worker_starts():
     assert "use --device cpu" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_node_lost_without_restarts_fails_the_job_and_still_removes_the_memory(tmp_path):
     r = moc("train", "--nodes", "2", "--nproc", "1", "--config", "tiny", "--steps", "8",
             "--ckpt-mode", "none", "--device", "cpu", "--no-progress", "--fault-kind", "node",
@@ -177,7 +178,8 @@ def _stderr(metrics: Path) -> str:
     return metrics.with_suffix(".err").read_text()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT,
+                                    pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_interrupting_the_launcher_stops_every_node_and_removes_the_memory(tmp_path, signum):
     metrics = tmp_path / "m.jsonl"
     launcher = _training(metrics, "--ckpt-mode", "none")
@@ -222,6 +224,7 @@ def shm() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_running_launchers_memory_outlives_another_jobs_cleanup_however_old(tmp_path, shm):
     """The simulated nodes' root had no owner record and an mtime that never changes:
     an hour after the start, any other job's claim of shared memory deleted it under
@@ -265,6 +268,7 @@ def test_a_running_launchers_memory_outlives_another_jobs_cleanup_however_old(tm
     assert not root.exists()
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
     """SIGKILL gives the launcher no chance to stop its agents: before, both torchrun
     agents (then reparented to init), their workers and the persist processes trained on

@@ -51,6 +51,7 @@ def test_node_loss_resumes_from_s3_bitwise(s3_url, tmp_path, straight):
     assert verify_checkpoints(s3_url).ok
 
 
+@pytest.mark.slow
 def test_sync_engine_ranks_write_their_own_objects_and_resume_from_s3_bitwise(
         s3_url, tmp_path, straight):
     faulted = _train(s3_url, tmp_path / "faulted.jsonl", "--fault-at", "10",
