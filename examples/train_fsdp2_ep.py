@@ -12,6 +12,14 @@ resumes exactly where it was.
     # every step's loss is bitwise equal to the uninterrupted run's:
     python examples/train_fsdp2_ep.py --compare runs/fsdp2-straight runs/fsdp2-fault
 
+On two nodes (here two torchrun agents on one machine, each with its own node memory,
+MOC_SHM_ROOT), every snapshot is also copied to the other node (peer replicas), and a
+lost node (`--lose-memory`: its memory goes with its rank) comes back from its peer:
+
+    for n in 0 1; do MOC_SHM_ROOT=/dev/shm/node$n torchrun --nnodes 2 --nproc-per-node 1 \
+        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 --rdzv-id fsdp2 --max-restarts 1 \
+        examples/train_fsdp2_ep.py --out runs/fsdp2-node --fault-at 13 --lose-memory & done
+
 Each rank writes its own pieces of the FSDP2 parameters and its experts, by global id;
 the checkpoint restores on any number of ranks, or into one plain process
 (`moc export runs/fsdp2-fault/ckpt out/` assembles the whole model from the files).
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -145,7 +154,7 @@ def train(args: argparse.Namespace) -> None:
         interval=args.interval, keep_last=2)    # ... the memory snapshot: all of them
     report = ckpt.restore()                     # None on a fresh start
     start = report.step if report else 0
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun
+    restart = attempt()
     if report and rank == 0:
         print(f"restart {restart}: resumed from step {report.step} ({report.source}), "
               f"lost tokens {report.lost_tokens}", flush=True)
@@ -153,8 +162,16 @@ def train(args: argparse.Namespace) -> None:
                        indices=top1)            # counts routed tokens: PLT, Dynamic-K
     losses = open(args.out / "losses.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     for step in range(start + 1, args.steps + 1):
-        if step == args.fault_at and rank == 1 and restart == 0:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash, as real as they come
+        if step == args.fault_at and restart == 0:
+            if args.lose_memory:
+                # Between checkpoints, as in a real run whose interval outlasts a persist
+                # and a replica round: both finished first (collective).
+                ckpt.flush()
+                ckpt.wait_for_replicas()
+                if rank == 1:     # the node is lost: its memory goes with it
+                    lose_node_memory()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash, as real as they come
         idx = batch(args.seed, step, rank)
         loss = nn.functional.cross_entropy(model(idx[:-1]), idx[1:])
         loss.backward()
@@ -177,6 +194,29 @@ def train(args: argparse.Namespace) -> None:
         log_checkpoint(result, rank)
     ckpt.close()
     dist.destroy_process_group()
+
+
+def attempt() -> int:
+    """The job's attempt, the same on every rank: the largest of the agents' restart
+    counts (torchrun's TORCHELASTIC_RESTART_COUNT). On several nodes they differ: the
+    agent whose workers failed counts a restart, the others restart theirs for the new
+    membership without counting it. Collective."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
+
+
+def lose_node_memory() -> None:
+    """Empty this node's memory root (MOC_SHM_ROOT): its snapshots, and the replicas it
+    held of the other node's, are gone, as a lost machine's would be."""
+    root = os.environ.get("MOC_SHM_ROOT")
+    if not root:
+        sys.exit("train_fsdp2_ep.py: --lose-memory needs MOC_SHM_ROOT (this node's memory)")
+    for entry in Path(root).iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def log_checkpoint(result: moc.CheckpointResult, rank: int) -> None:
@@ -203,6 +243,8 @@ def main() -> int:
                    help="steps between checkpoints (default 5)")
     p.add_argument("--fault-at", type=int, help="rank 1 SIGKILLs itself at this step "
                                                "(first attempt only)")
+    p.add_argument("--lose-memory", action="store_true",
+                   help="with --fault-at: rank 1's node loses its memory (MOC_SHM_ROOT) too")
     p.add_argument("--seed", type=int, default=0, help="weights and data (default 0)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("OUT_A", "OUT_B"),
                    help="compare two runs' losses bitwise instead of training")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,54 @@ def test_examples_answer_help(example, tmp_path):
         pytest.importorskip("transformers")
     r = run(str(EXAMPLES / example), "--help", cwd=tmp_path)
     assert r.stdout.startswith("usage:") and "--steps" in r.stdout
+
+
+def _two_nodes(out: Path, shm: Path, *, lose: bool) -> list[subprocess.CompletedProcess]:
+    """examples/train_fsdp2_ep.py as its header runs it on two nodes: two torchrun agents
+    on this machine, each with its own node memory (MOC_SHM_ROOT)."""
+    from tests.distributed import free_port
+
+    port = free_port()
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    fault = ["--fault-at", "13", "--lose-memory"] if lose else []
+    agents = []
+    for node in (0, 1):
+        (shm / f"node{node}").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
+               "MOC_SHM_ROOT": str(shm / f"node{node}"),
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--rdzv-id", out.name, "--max-restarts", "1",
+             str(EXAMPLES / "train_fsdp2_ep.py"), "--out", str(out), "--steps", "20", *fault],
+            cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    done = []
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
+    return done
+
+
+@pytest.mark.slow
+def test_fsdp2_ep_example_on_two_nodes_recovers_a_lost_node_from_its_peer(tmp_path):
+    """A node's rank and memory lost at step 13: its pieces come back from the replica
+    the other node holds, and every loss equals the uninterrupted two-node run's."""
+    shm = Path(tempfile.mkdtemp(prefix="moc-ex-"))  # short: the persist socket is under it
+    try:
+        straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+        printed = ""
+        for out, lose in ((straight, False), (faulted, True)):
+            out.mkdir()
+            for r in _two_nodes(out, shm / out.name, lose=lose):
+                assert r.returncode == 0, r.stderr[-3000:]
+                printed += r.stdout
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    a = {e["step"]: e["hex"] for e in losses(straight)}
+    assert sorted(a) == list(range(1, 21))
+    for e in losses(faulted):
+        assert e["hex"] == a[e["step"]], f"step {e['step']} (restart {e['restart']})"
+    assert [e["restart"] for e in losses(faulted)].count(1) == 10
+    assert "restart 1: resumed from step 10 (peer), lost tokens 0" in printed, printed
