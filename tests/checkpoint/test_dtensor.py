@@ -266,3 +266,46 @@ def _dtensor_router(rank: int, world: int):
 def test_watch_routing_counts_a_dtensor_routers_tokens_on_each_rank():
     for got, want in run_ranks(_dtensor_router, 2):
         assert torch.equal(got, want), (got, want)
+
+
+def _tensor_parallel(model: tm.MoE, mesh) -> tm.MoE:
+    """Tensor parallelism over `mesh`: attention weights split by column (Shard(1)), the
+    routers by row (Shard(0)), every expert split along its F dimension (Shard(2) of the
+    batched tensors: pieces of each expert), the rest replicated."""
+    for block in model.layers:
+        for module, name, placement in ((block.attn, "weight", Shard(1)),
+                                        (block.attn, "bias", Replicate()),
+                                        (block.router, "weight", Shard(0)),
+                                        (block.experts, "w1", Shard(2)),
+                                        (block.experts, "w2", Shard(1))):
+            w = getattr(module, name)
+            setattr(module, name, nn.Parameter(distribute_tensor(w.data, mesh, [placement])))
+    return model
+
+
+def _train_tp(rank: int, world: int, root: str):
+    model = _tensor_parallel(tm.build(None), tm.mesh_of((world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in (1, 2):  # no forward needed: the state is what is checkpointed
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * step)
+        opt.step()
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    engine.save(2)
+    engine.close()
+    return tm.full_state(model, opt)
+
+
+def test_tensor_parallel_pieces_restore_into_one_process_and_onto_fsdp2_with_ep(tmp_path):
+    root = str(tmp_path / "ckpt")
+    want = run_ranks(_train_tp, 2, root)[0]
+    entries = json.loads((tmp_path / "ckpt" / "step-00000002" / "manifest.json")
+                         .read_text())["entries"]
+    assert "param/layers.0.attn.weight@0,4" in entries  # a column piece
+    assert "param/layers.0.experts.w1/expert=3@0,8" in entries  # a piece of an expert
+    assert "param/layers.0.attn.bias" in entries  # replicated: whole, written once
+    for world, mesh in ((1, None), (2, (2,))):
+        report, got = run_ranks(_restore, world, "sync", root, mesh)[0]
+        assert report.step == 2
+        bad = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not bad and set(got) == set(want), (world, bad)
