@@ -309,3 +309,64 @@ def test_tensor_parallel_pieces_restore_into_one_process_and_onto_fsdp2_with_ep(
         assert report.step == 2
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad and set(got) == set(want), (world, bad)
+
+
+def _moc_model_as_dtensors(rank: int, world: int, root: str):
+    """moc's own Transformer laid out as torchtitan would: FSDP2 on every dense module,
+    its batched experts as DTensors Shard(0) over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    from moc.model import Transformer
+    from moc.model.transformer import Experts
+    from moc.parallel import split_parameters
+    from tests.distributed import TINY
+
+    mesh = tm.mesh_of((world,))
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    for module in model.modules():
+        if isinstance(module, Experts):
+            for name in ("w1_LDF", "w2_LFD"):
+                w = getattr(module, name)
+                setattr(module, name, nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)])))
+        elif isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm):
+            fully_shard(module, mesh=mesh)
+    # The param groups of moc train's ShardedAdamW: matrices, vectors (no decay), experts.
+    dense, experts = split_parameters(model)
+    opt = torch.optim.AdamW([{"params": [p for _, p in dense if p.dim() >= 2]},
+                             {"params": [p for _, p in dense if p.dim() < 2],
+                              "weight_decay": 0.0},
+                             {"params": [p for _, p in experts]}],
+                            lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.1)
+    opt.step()
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    engine.save(1)
+    engine.close()
+    return {n: tm.full(p) for n, p in model.named_parameters()}
+
+
+def _moc_train_layout(rank: int, world: int, root: str):
+    """moc train's own layout: expert parallelism over 2 ranks, ZeRO-1 AdamW."""
+    from tests.distributed import build_sharded
+
+    groups, model, opt = build_sharded(world)
+    engine = moc.Checkpointer(model, opt, root, groups=groups, policy=moc.PECPolicy.full())
+    report = engine.restore()
+    engine.close()
+    experts = {n: p.detach().clone() for n, p in model.named_parameters()}
+    offset = next(m.expert_offset for m in model.modules() if hasattr(m, "expert_offset"))
+    return report.step, experts, offset
+
+
+def test_moc_models_dtensor_checkpoint_restores_into_moc_trains_own_layout(tmp_path):
+    root = str(tmp_path / "ckpt")
+    want = run_ranks(_moc_model_as_dtensors, 2, root)[0]
+    for step, got, offset in run_ranks(_moc_train_layout, 2, root):
+        assert step == 1
+        for name, t in got.items():
+            if t.shape == want[name].shape:
+                assert torch.equal(t, want[name]), name
+            else:  # this rank's experts of the layer
+                assert torch.equal(t, want[name][offset:offset + t.shape[0]]), name
