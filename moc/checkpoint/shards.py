@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class UnsupportedLayoutError(ValueError):
@@ -125,9 +126,10 @@ def sharding_of(name: str, t: torch.Tensor) -> Sharding | None:
     if not isinstance(t, DTensor):
         return None
     for p in t.placements:
-        if not isinstance(p, Shard | Replicate):  # _StridedShard is a Shard
+        if not isinstance(p, Shard | _StridedShard | Replicate):
             raise UnsupportedLayoutError(
-                f"{name}: {_describe(t)}: moc saves Shard and Replicate placements only "
+                f"{name}: {_describe(t)}: moc saves Shard, _StridedShard and Replicate "
+                f"placements only "
                 f"({type(p).__name__} holds no value on any one rank); redistribute it to "
                 "Replicate or Shard before the checkpointer is built")
     mesh = t.device_mesh

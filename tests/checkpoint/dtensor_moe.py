@@ -66,9 +66,11 @@ def top1(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor
     return output.argmax(-1, keepdim=True)
 
 
-def build(mesh: DeviceMesh | None, seed: int = 0) -> MoE:
+def build(mesh: DeviceMesh | None, seed: int = 0, fsdp_experts: bool = False) -> MoE:
     """The seeded model; with `mesh` (1-D: (ep,), or 2-D named ("dp_shard", "ep")),
-    laid out over it."""
+    laid out over it. `fsdp_experts` (2-D): the experts, `Shard(0)` over ep, are also
+    sharded by FSDP2 over dp_shard, as torchtitan does: placements
+    (_StridedShard(0), Shard(0))."""
     torch.manual_seed(seed)
     model = MoE()
     if mesh is None:
@@ -78,8 +80,11 @@ def build(mesh: DeviceMesh | None, seed: int = 0) -> MoE:
     for block in model.layers:
         for name in ("w1", "w2"):
             w = getattr(block.experts, name)
-            setattr(block.experts, name,
-                    nn.Parameter(distribute_tensor(w.data, mesh, placements)))
+            setattr(block.experts, name, nn.Parameter(
+                distribute_tensor(w.data, ep_mesh, [Shard(0)]) if fsdp_experts
+                else distribute_tensor(w.data, mesh, placements)))
+        if fsdp_experts:
+            fully_shard(block.experts, mesh=mesh["dp_shard"])
         for module in (block.attn, block.router):
             fully_shard(module, mesh=mesh["dp_shard"] if mesh.ndim == 2 else mesh)
     fully_shard(model.embed, mesh=ep_mesh if mesh.ndim == 1 else mesh["dp_shard"])

@@ -158,8 +158,8 @@ def test_fsdp2_dtensor_ep_restores_bitwise_on_its_layout_in_one_process_and_on_4
         assert report.plt == pytest.approx(plt), label
 
 
-def _train_2d(rank: int, world: int, root: str):
-    model = tm.build(tm.mesh_of((2, 2)))
+def _train_2d(rank: int, world: int, root: str, fsdp_experts: bool):
+    model = tm.build(tm.mesh_of((2, 2)), fsdp_experts=fsdp_experts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
     for step in (1, 2):
@@ -169,9 +169,15 @@ def _train_2d(rank: int, world: int, root: str):
     return tm.full_state(model, opt)
 
 
-def test_a_2d_mesh_dp_shard_by_ep_on_4_ranks_restores_bitwise_on_2_ranks(tmp_path):
+@pytest.mark.parametrize("fsdp_experts", [False, True], ids=["experts-replicated",
+                                                          "experts-strided"])
+def test_a_2d_mesh_dp_shard_by_ep_on_4_ranks_restores_bitwise_on_2_ranks(tmp_path,
+                                                                       fsdp_experts):
+    """The experts Shard(0) over ep and either replicated over dp_shard (each piece
+    written by one of its two holders) or sharded again by FSDP2 over dp_shard, as
+    torchtitan does (_StridedShard(0), Shard(0): each rank holds one expert)."""
     root = str(tmp_path / "ckpt")
-    want = run_ranks(_train_2d, 4, root)[0]
+    want = run_ranks(_train_2d, 4, root, fsdp_experts)[0]
     manifest = json.loads((tmp_path / "ckpt" / "step-00000002" / "manifest.json").read_text())
     # The experts are replicated over dp_shard: each piece is written by one rank only.
     written = [k for f in manifest["files"] for k in _keys(tmp_path / "ckpt" / "step-00000002" / f)]
@@ -370,3 +376,56 @@ def test_moc_models_dtensor_checkpoint_restores_into_moc_trains_own_layout(tmp_p
                 assert torch.equal(t, want[name]), name
             else:  # this rank's experts of the layer
                 assert torch.equal(t, want[name][offset:offset + t.shape[0]]), name
+
+
+class _ListMoE(nn.Module):
+    """Experts as an nn.ModuleList of MLPs, each sharded by FSDP2 (Mixtral's layout
+    under fully_shard): each expert's tensors are pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            block = nn.Module()
+            block.attn = nn.Linear(tm.D, tm.D)
+            block.experts = nn.ModuleList(
+                nn.Sequential(nn.Linear(tm.D, tm.F), nn.Linear(tm.F, tm.D)) for _ in range(tm.E))
+            self.layers.append(block)
+
+
+def _list_moe(rank: int, world: int, root: str, save: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0 if save else 5)
+    model = _ListMoE()
+    if world > 1:
+        mesh = tm.mesh_of((world,))
+        for block in model.layers:
+            for module in (block.attn, *block.experts):
+                fully_shard(module, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    if save:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1)
+        opt.step()
+        engine.save(1)
+    else:
+        assert engine.restore().step == 1
+    engine.close()
+    return tm.full_state(model, opt)
+
+
+@pytest.mark.parametrize(("saved", "restored"), [(2, 1), (1, 2)],
+                         ids=["fsdp2-into-one-process", "one-process-into-fsdp2"])
+def test_modulelist_experts_under_fsdp2_restore_across_the_layout_both_ways(tmp_path, saved,
+                                                                          restored):
+    root = str(tmp_path / "ckpt")
+    want = run_ranks(_list_moe, saved, root, True)[0]
+    entries = json.loads((tmp_path / "ckpt" / "step-00000001" / "manifest.json")
+                         .read_text())["entries"]
+    if saved == 2:  # expert 3's first layer, rows 8.. of its weight: a piece of an expert
+        assert "param/layers.0.experts.0.weight/expert=3@8,0" in entries
+    got = run_ranks(_list_moe, restored, root, False)[0]
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad and set(got) == set(want), bad
