@@ -725,9 +725,10 @@ class RankState:
     """A checksum of the boxes this model's DTensors are cut into (0: no DTensor sharded
     over the ranks): the same on every rank of a job, different for another layout."""
     placements: dict[str, Placed] = field(default_factory=dict)
-    """Every piece of each DTensor parameter this rank holds part of, with the ranks
-    that hold it, as every rank of the job reported it (`placed`); empty until then,
-    and the units of a plan fall back to what this rank's mesh says."""
+    """Every piece of each DTensor parameter (by name) and persistent buffer (by its key,
+    `buffer/<name>`) this rank holds part of, with the ranks that hold it, as every rank
+    of the job reported it (`placed`); empty until then, and the units of a plan fall
+    back to what this rank's mesh says."""
     named: Named = field(default=(), init=False)
     """The model's parameters by name, as it held them when the engine was built. Kept,
     not looked up at each save: FSDP2 swaps a module's sharded parameters for unsharded
@@ -738,12 +739,7 @@ class RankState:
         # An expert buffer, or a DTensor whose layout moc cannot save: refused at
         # construction, never from inside a save.
         for name, b in persistent_buffers(self.model, self.spec).items():
-            sharding = sharding_of(name, b)
-            if sharding is not None and not sharding.whole:
-                raise UnsupportedLayoutError(
-                    f"persistent buffer {name!r} is a DTensor sharded over the ranks "
-                    f"({tuple(b.placements)}); moc saves buffers whole: replicate it "
-                    "(Replicate()) or keep it a plain tensor")
+            sharding_of(name, b)
         named = tuple(self.model.named_parameters())
         _check_sharded(self.model)
         object.__setattr__(self, "named", named)
@@ -763,8 +759,10 @@ class RankState:
         only some of the ranks that hold the same piece, and two ranks that each think
         they alone hold it would both write it. Raises UnsupportedLayoutError when the
         pieces of all ranks do not tile a tensor."""
+        tensors = [*self.named, *((buffer_key(n), b) for n, b in
+                                  persistent_buffers(self.model, self.spec).items())]
         mine = {}
-        for name, p in self.named:
+        for name, p in tensors:
             sharding = sharding_of(name, p)
             if sharding is not None and not sharding.whole:
                 mine[name] = [list(sharding.mine.offsets), list(sharding.mine.shape)]
@@ -772,7 +770,7 @@ class RankState:
             return self
         every = all_gather(mine)
         placements: dict[str, Placed] = {}
-        for name, p in self.named:
+        for name, p in tensors:
             if name not in mine:
                 continue
             held: dict[Box, list[int]] = {}

@@ -286,11 +286,16 @@ def _tensor_parallel(model: tm.MoE, mesh) -> tm.MoE:
                                         (block.experts, "w2", Shard(1))):
             w = getattr(module, name)
             setattr(module, name, nn.Parameter(distribute_tensor(w.data, mesh, [placement])))
+        # A router's load-balancing bias, sharded like its rows: a buffer saved as pieces.
+        block.router.register_buffer("lb_bias", distribute_tensor(
+            torch.arange(tm.E, dtype=torch.float32) + 10, mesh, [Shard(0)]))
     return model
 
 
 def _train_tp(rank: int, world: int, root: str):
     model = _tensor_parallel(tm.build(None), tm.mesh_of((world,)))
+    for block in model.layers:
+        block.router.lb_bias.to_local().mul_(rank + 2)  # not the value a build gives
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in (1, 2):  # no forward needed: the state is what is checkpointed
         for p in model.parameters():
@@ -299,7 +304,23 @@ def _train_tp(rank: int, world: int, root: str):
     engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
     engine.save(2)
     engine.close()
-    return tm.full_state(model, opt)
+    return {**tm.full_state(model, opt),
+            **{f"buffer/{n}": tm.full(b) for n, b in model.named_buffers()}}
+
+
+def _restore_tp(rank: int, world: int, root: str, mesh: tuple[int, ...] | None):
+    """A restore with the router biases as buffers: sharded on a mesh, plain otherwise."""
+    model = tm.build(tm.mesh_of(mesh) if mesh else None, seed=7)
+    for block in model.layers:
+        bias = torch.zeros(tm.E)
+        block.router.register_buffer("lb_bias", distribute_tensor(
+            bias, block.experts.w1.device_mesh, [Shard(0)]) if mesh else bias)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    report = engine.restore()
+    engine.close()
+    return report, {**tm.full_state(model, opt),
+                    **{f"buffer/{n}": tm.full(b) for n, b in model.named_buffers()}}
 
 
 def test_tensor_parallel_pieces_restore_into_one_process_and_onto_fsdp2_with_ep(tmp_path):
@@ -310,8 +331,10 @@ def test_tensor_parallel_pieces_restore_into_one_process_and_onto_fsdp2_with_ep(
     assert "param/layers.0.attn.weight@0,4" in entries  # a column piece
     assert "param/layers.0.experts.w1/expert=3@0,8" in entries  # a piece of an expert
     assert "param/layers.0.attn.bias" in entries  # replicated: whole, written once
+    assert "buffer/layers.0.router.lb_bias@2" in entries  # a sharded buffer's piece
+    assert torch.equal(want["buffer/layers.0.router.lb_bias"], torch.tensor([20., 22, 36, 39]))
     for world, mesh in ((1, None), (2, (2,))):
-        report, got = run_ranks(_restore, world, "sync", root, mesh)[0]
+        report, got = run_ranks(_restore_tp, world, root, mesh)[0]
         assert report.step == 2
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad and set(got) == set(want), (world, bad)

@@ -52,7 +52,7 @@ Wanted = Callable[[str], bool]
 
 def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: ParallelLayout,
                 owner_of: OwnerOf | None, wanted: Wanted,
-                shared: Iterable[tuple[str, int]] = (),
+                shared: Iterable[tuple[str, int] | tuple[str, int, tuple[int, ...]]] = (),
                 shardings: dict[str, Sharding] | None = None,
                 placements: dict[str, Placed] | None = None
                 ) -> tuple[list[WriteUnit], dict[str, str]]:
@@ -64,7 +64,8 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
     optimizer state is a unit of its own (one holder); without it, optimizer state is
     replicated with its parameter and travels in the parameter's unit. `shared`: (key,
     bytes) of the other keys every rank holds the same copy of: a `buffer/<module>.<name>`
-    joins its module's unit, any other key is a unit of its own. `shardings`: the layout
+    joins its module's unit, any other key is a unit of its own; (key, bytes, holders)
+    for a piece of a DTensor buffer, a unit of its own held by those ranks. `shardings`: the layout
     of each non-expert parameter that is a DTensor, by name (an expert parameter's is in
     its `ExpertParam`): a unit per piece, held by the ranks `placements` names
     (`RankState.placements`; by default, those of the DTensor's own mesh).
@@ -125,7 +126,11 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
                 ids = layout.local_experts(e_rank)
                 n = sum(wanted(expert_key("optim", ep.stem, gid, "exp_avg")) for gid in ids)
                 fixed[owner_of(name, e_rank)] += n * per_expert * OPTIM_BYTES_PER_PARAM_BYTE
-    for key, nbytes in shared:
+    for key, nbytes, *who in shared:
+        if who:  # a piece: its own unit, held by its holders
+            unit_of[key] = f"dense:{key}"
+            add(unit_of[key], nbytes, who[0], DENSE)
+            continue
         module = key[len("buffer/"):].rsplit(".", 1)[0] if key.startswith("buffer/") else key
         unit_of[key] = f"dense:{module}"
         add(unit_of[key], nbytes, everyone, DENSE)
@@ -196,8 +201,15 @@ def rank_share(state: RankState, layout: ParallelLayout, keys: Iterable[str], wa
     experts = state.spec.by_name()
     shardings = {n: sh for n, p in state.named
                  if n not in experts and (sh := sharding_of(n, p)) is not None}
-    shared = [(buffer_key(n), b.numel() * b.element_size())
-              for n, b in persistent_buffers(state.model, state.spec).items()]
+    shared: list[tuple[str, int] | tuple[str, int, tuple[int, ...]]] = []
+    for n, b in persistent_buffers(state.model, state.spec).items():
+        key, nbytes, sharding = buffer_key(n), b.numel() * b.element_size(), sharding_of(n, b)
+        if sharding is None or sharding.whole:
+            shared.append((key, nbytes))
+            continue
+        for box, who in state.placements.get(key, sharding.pieces):
+            shared.append((key + sharding.suffix(box), nbytes * box.numel // _numel(sharding),
+                           who))
     # The param groups' JSON is a few hundred bytes: its size does not change the plan.
     shared.append((PARAM_GROUPS_KEY, 0))
     units, unit_of = write_units(params, state.spec, layout, owner_of, wanted, shared,
