@@ -452,3 +452,34 @@ def test_modulelist_experts_under_fsdp2_restore_across_the_layout_both_ways(tmp_
     got = run_ranks(_list_moe, restored, root, False)[0]
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad and set(got) == set(want), bad
+
+
+def _continue_on(rank: int, world: int, root: str, mesh: tuple[int, ...]):
+    """Restore the newest step on another layout and save the next one (PEC K=1)."""
+    model = tm.build(tm.mesh_of(mesh), seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy(k=1))
+    step = engine.restore().step
+    tm.train_step(model, opt, step + 1)
+    engine.save(step + 1)
+    engine.close()
+    return step, tm.full_state(model, opt)
+
+
+def test_a_chain_never_mixes_the_pieces_of_two_layouts(tmp_path):
+    """A partial chain written on 2 ranks, continued on 4: the first step on the new
+    layout saves every expert (an expert made of pieces of two steps would be neither),
+    its manifest names only the new layout's pieces, and it restores bitwise on 2."""
+    root = str(tmp_path / "ckpt")
+    run_ranks(_train, 2, "sync", root)
+    step, want = run_ranks(_continue_on, 4, root, (4,))[0]
+    manifest = json.loads((tmp_path / "ckpt" / f"step-{step + 1:08d}" / "manifest.json")
+                          .read_text())
+    assert manifest["experts_saved"] == {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}
+    pieces = sorted(k for k in manifest["entries"] if k.startswith("param/layers.0.attn.weight"))
+    assert pieces == [f"param/layers.0.attn.weight@{r},0" for r in (0, 2, 4, 6)], pieces
+    assert all(e["step"] == step + 1 for k, e in manifest["entries"].items()
+               if k.startswith("param/"))
+    report, got = run_ranks(_restore, 2, "sync", root, (2,))[0]
+    assert report.step == step + 1 and report.lost_tokens == 0
+    assert not _same(got, want), _same(got, want)
