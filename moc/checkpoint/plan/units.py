@@ -89,14 +89,8 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
     experts = spec.by_name()
     for name, nbytes in params:
         if name in shardings:
-            sharding = shardings[name]
-            for i, (box, who) in enumerate(placements.get(name, sharding.pieces)):
-                key = f"param/{name}{sharding.suffix(box)}"
-                unit_of[key] = f"dense:{key}"
-                add(unit_of[key], nbytes * box.numel // max(1, _numel(sharding)) * factor,
-                    who, DENSE)
-                if i == 0:  # its scalar optimizer state (AdamW's step) goes with piece 0
-                    unit_of[f"param/{name}"] = unit_of[key]
+            _dense_pieces(name, shardings[name], placements.get(name, shardings[name].pieces),
+                          nbytes * factor, unit_of, add)
             continue
         if name not in experts:
             unit = f"dense:{name.rsplit('.', 1)[0]}"
@@ -141,6 +135,21 @@ def write_units(params: Iterable[tuple[str, int]], spec: ExpertSpec, layout: Par
 
 def _numel(sharding: Sharding) -> int:
     return Box.whole(sharding.global_shape).numel
+
+
+def _dense_pieces(name: str, sharding: Sharding, pieces: Placed, nbytes: int,
+                  unit_of: dict[str, str],
+                  add: Callable[[str, int, tuple[int, ...], str], None]) -> None:
+    """The units of a non-expert DTensor parameter: one per piece, held by the ranks
+    that hold it (`pieces`), of its share of `nbytes` (the whole tensor's, optimizer
+    state included). A scalar optimizer state (AdamW's `step`, stored whole) goes with
+    the first piece."""
+    for i, (box, who) in enumerate(pieces):
+        key = f"param/{name}{sharding.suffix(box)}"
+        unit_of[key] = f"dense:{key}"
+        add(unit_of[key], nbytes * box.numel // max(1, _numel(sharding)), who, DENSE)
+        if i == 0:
+            unit_of[f"param/{name}"] = unit_of[key]
 
 
 def _expert_pieces(ep: ExpertParam, pieces: Placed, nbytes: int, unit_of: dict[str, str],
