@@ -410,10 +410,18 @@ def flatten_params(named: Named, spec: ExpertSpec) -> dict[str, torch.Tensor]:
     for name, p in named:
         if name in experts:
             for gid, t in slices(experts[name], p):
-                out[experts[name].key("param", gid)] = t
-        else:
+                if not _nothing(p, t):
+                    out[experts[name].key("param", gid)] = t
+        elif not _nothing(p, local(p)):
             out[piece_key(dense_key("param", name), name, p)] = local(p).detach()
     return out
+
+
+def _nothing(t: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether this rank holds nothing of the DTensor `t` (`held`: its piece, empty where
+    the tensor does not divide among the ranks: 4 rows over 3 ranks are 2, 2 and 0).
+    An empty piece is neither saved nor read."""
+    return isinstance(t, DTensor) and held.numel() == 0
 
 
 def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSpec
@@ -428,7 +436,8 @@ def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSp
                 t = torch.tensor(t)
             if name not in experts:
                 key = dense_key("optim", name, s_name)
-                out[piece_key(key, name, t)] = local(t).detach()
+                if not _nothing(t, local(t)):
+                    out[piece_key(key, name, t)] = local(t).detach()
                 continue
             ep = experts[name]
             if t.dim() == 0:
@@ -436,7 +445,8 @@ def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSp
                     out[expert_key("optim", ep.stem, gid, s_name)] = local(t).detach()
                 continue
             for gid, piece in slices(ep, t):
-                out[ep.key("optim", gid, s_name)] = piece
+                if not _nothing(t, piece):
+                    out[ep.key("optim", gid, s_name)] = piece
     return out
 
 
@@ -531,8 +541,9 @@ def load_params(named: Named, spec: ExpertSpec, get: Getter) -> None:
     for name, p in named:
         if name in experts:
             for gid, dst in slices(experts[name], p):
-                dst.copy_(_fetch(get, experts[name].key("param", gid), dst))
-        else:
+                if not _nothing(p, dst):
+                    dst.copy_(_fetch(get, experts[name].key("param", gid), dst))
+        elif not _nothing(p, local(p)):
             dst = local(p)
             dst.copy_(_fetch(get, piece_key(dense_key("param", name), name, p), dst))
 
@@ -559,17 +570,20 @@ def optimizer_state(params: dict[str, torch.Tensor],
         out[name] = {}
         held = local(p)
         for s_name, scalar in state_names[name]:
+            if not scalar and _nothing(p, held):
+                out[name][s_name] = torch.empty_like(held)  # nothing held, nothing read
+                continue
             if name not in experts:
                 key = dense_key("optim", name, s_name)
                 out[name][s_name] = get(key, None if scalar else piece_key(key, name, p),
                                         tuple(held.shape), tuple(p.shape))
                 continue
             ep = experts[name]
-            one = tuple(next(slices(ep, p))[1].shape)
+            one = tuple(held.shape[1:]) if ep.expert_dim is not None else tuple(held.shape)
             whole = tuple(p.shape[1:]) if ep.expert_dim is not None else tuple(p.shape)
             pieces = [get(expert_key("optim", ep.stem, gid, s_name),
                           None if scalar else ep.key("optim", gid, s_name), one, whole)
-                      for gid in ep.global_ids]
+                      for gid in ep.global_ids or (0,)]  # none held: expert 0's scalar
             if ep.expert_dim is None:
                 out[name][s_name] = pieces[0]
             elif pieces[0].dim() == 0:
@@ -652,7 +666,9 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
     names = {}
     for n in owned:
         if n in experts:
-            prefix = expert_key("optim", experts[n].stem, experts[n].global_ids[0])
+            # A rank holding none of the experts (an empty piece) still keeps their state's
+            # structure (the optimizer's is the same on every rank): expert 0's names.
+            prefix = expert_key("optim", experts[n].stem, (*experts[n].global_ids, 0)[0])
         else:
             prefix = dense_key("optim", n)
         names[n] = _state_kinds(reader, prefix)

@@ -483,3 +483,25 @@ def test_a_chain_never_mixes_the_pieces_of_two_layouts(tmp_path):
     report, got = run_ranks(_restore, 2, "sync", root, (2,))[0]
     assert report.step == step + 1 and report.lost_tokens == 0
     assert not _same(got, want), _same(got, want)
+
+
+def _uneven(rank: int, world: int, root: str):
+    """4 experts and 4-row routers over 3 ranks: pieces of 2, 2 and 0 rows (the last rank
+    holds no expert and nothing of the routers)."""
+    model = tm.build(tm.mesh_of((world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tm.train_step(model, opt, 1)
+    engine = moc.Checkpointer(model, opt, root, policy=moc.PECPolicy.full())
+    engine.save(1)
+    engine.close()
+    return tm.full_state(model, opt), tuple(model.layers[0].experts.w1.to_local().shape)
+
+
+def test_ranks_holding_an_empty_piece_save_and_restore_on_any_layout(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_uneven, 3, root)
+    assert [shape[0] for _, shape in results] == [2, 2, 0]
+    want = results[0][0]
+    for world, mesh in ((3, (3,)), (1, None)):
+        report, got = run_ranks(_restore, world, "sync", root, mesh)[0]
+        assert report.step == 1 and not _same(got, want), (world, _same(got, want))
