@@ -179,6 +179,8 @@ def tiles(global_shape: tuple[int, ...], boxes: Iterable[Box]) -> bool:
     the product of one partition of each dimension: Shard placements cut a tensor into
     such a grid, and a strided shard whose rows interleave does not."""
     boxes = list(boxes)
+    if len(set(boxes)) != len(boxes):  # a piece twice: another one is missing
+        return False
     if sum(b.numel for b in boxes) != math.prod(global_shape):
         return False
     for d, n in enumerate(global_shape):
