@@ -58,6 +58,11 @@ class ExpertParam:
     expert too (tensor parallel, or FSDP2 sharding a ModuleList expert): `@<offsets>`
     into the expert's own tensor; "" when this rank holds whole experts."""
 
+    def one(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The shape of one expert's part of `t` (a tensor shaped as this parameter, or
+        this rank's piece of it)."""
+        return tuple(t.shape[1:]) if self.expert_dim is not None else tuple(t.shape)
+
     def key(self, kind: str, gid: int, state: str | None = None) -> str:
         """The key of expert `gid`'s part of this tensor (its piece, as this rank holds
         it)."""

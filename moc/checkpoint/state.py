@@ -525,9 +525,8 @@ def whole_shapes(named: Named, spec: ExpertSpec) -> dict[str, tuple[int, ...]]:
     for name, p in named:
         if name in experts:
             ep = experts[name]
-            one = tuple(p.shape[1:]) if ep.expert_dim is not None else tuple(p.shape)
             for gid in ep.global_ids:
-                out[ep.key("param", gid)] = one
+                out[ep.key("param", gid)] = ep.one(p)
         else:
             out[piece_key(dense_key("param", name), name, p)] = tuple(p.shape)
     return out
@@ -579,10 +578,9 @@ def optimizer_state(params: dict[str, torch.Tensor],
                                         tuple(held.shape), tuple(p.shape))
                 continue
             ep = experts[name]
-            one = tuple(held.shape[1:]) if ep.expert_dim is not None else tuple(held.shape)
-            whole = tuple(p.shape[1:]) if ep.expert_dim is not None else tuple(p.shape)
             pieces = [get(expert_key("optim", ep.stem, gid, s_name),
-                          None if scalar else ep.key("optim", gid, s_name), one, whole)
+                          None if scalar else ep.key("optim", gid, s_name), ep.one(held),
+                          ep.one(p))
                       for gid in ep.global_ids or (0,)]  # none held: expert 0's scalar
             if ep.expert_dim is None:
                 out[name][s_name] = pieces[0]
