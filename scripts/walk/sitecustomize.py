@@ -1,0 +1,21 @@
+"""Loaded by every Python process `scripts/walk.py` starts (PYTHONPATH): records which moc
+module each call enters, per thread, into $MOC_WALK_OUT.<pid>. Not part of moc."""
+
+import os
+import sys
+import threading
+
+_out = os.environ.get("MOC_WALK_OUT")
+if _out:
+    _f = open(f"{_out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
+
+    def _profile(frame, event, arg):
+        if event != "call" or frame.f_code.co_name == "<module>":
+            return
+        name = frame.f_globals.get("__name__") or ""
+        if not name.startswith("moc."):
+            return
+        _f.write(f"{threading.current_thread().name}\t{name}\t{frame.f_code.co_name}\n")
+
+    sys.setprofile(_profile)
+    threading.setprofile(_profile)
