@@ -6,47 +6,71 @@
 Why not pickle: unpickling runs whatever the bytes say (`__reduce__`), so whoever can
 write to a socket or a collective's connection would run code as the trainer. Here a
 message can only ever decode to plain data and to the frozen dataclasses listed in
-`_types()`, each rebuilt through its own constructor from its declared fields.
+`CLASSES`, each rebuilt through its own constructor from its declared fields.
 
 What round-trips exactly (the engines' collectives rely on it): None, bool, int, float
 (NaN and infinities included), str, list, tuple (kept apart from list), dict with any
-encodable keys (int keys stay int), and the registered dataclasses. Anything else (a
+encodable keys (int keys stay int), and the dataclasses of `CLASSES`. Anything else (a
 tensor, a torch.dtype, a set, an arbitrary object) is refused by `encode` with a
 TypeError naming its type: send tensors with tensor collectives and dtypes by name.
 
 Encoding: plain JSON for JSON's own types and for dicts whose keys are all strings;
 every other value is a JSON object {"__moc__": kind, ...}. A dict whose keys include
 "__moc__" itself is encoded as a "map", so a plain JSON object never carries the tag.
+
+Layers: the codec sits below the engines, so it imports no class of theirs. The classes of
+lower modules (`RankError`, `Entry`) it imports itself; a higher module's (the two-level
+protocol's messages) are registered by that module when it is imported (`register`), and
+only if `CLASSES` lists them: the list stays the one place to review what a peer can make
+this process build.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from typing import Any
 
+from moc.checkpoint.errors import RankError
+from moc.checkpoint.store.manifest import Entry
+
 TAG = "__moc__"
+CLASSES = {
+    "RankError": "moc.checkpoint.errors",
+    "Entry": "moc.checkpoint.store.manifest",
+    **dict.fromkeys(("Hello", "Ready", "Failed", "Persist", "Abandon", "Stop", "Done"),
+                    "moc.checkpoint.twolevel.protocol"),
+}
+"""The closed list of classes that may travel: name on the wire -> the module that
+defines the class of that name. Nothing else is ever built from a message."""
 
 
 class CodecError(ValueError):
     """Bytes that are not an encoding of moc's data (corrupt, foreign or malicious)."""
 
 
-@functools.cache
-def _types() -> dict[str, type]:
-    """The closed list of classes that may travel, by name. Imported here, not registered
-    by their modules: one place to review what a peer can make this process build."""
-    from moc.checkpoint.dist import RankError
-    from moc.checkpoint.store.manifest import Entry
-    from moc.checkpoint.twolevel import protocol as p
+_TYPES: dict[str, type] = {}
+"""The classes of `CLASSES` registered in this process, by name."""
 
-    classes = (Entry, RankError, p.Hello, p.Ready, p.Failed, p.Persist, p.Abandon, p.Stop,
-               p.Done)
+
+def register(*classes: type) -> None:
+    """Let `classes` travel: each must be a frozen dataclass that `CLASSES` lists under
+    its name and module (TypeError otherwise). Called by the module that defines them,
+    when it is imported; a message of a listed class whose module this process has not
+    imported does not decode (CodecError)."""
     for cls in classes:
-        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
-    return {cls.__name__: cls for cls in classes}
+        if CLASSES.get(cls.__name__) != cls.__module__:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not in "
+                            "moc.checkpoint.codec.CLASSES: a class travels only once "
+                            "it is listed there")
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} must be a frozen "
+                            "dataclass to travel")
+        _TYPES[cls.__name__] = cls
+
+
+register(RankError, Entry)
 
 
 def encode(obj: Any) -> bytes:
@@ -80,12 +104,12 @@ def _encode(obj: Any) -> Any:
             return {k: _encode(v) for k, v in obj.items()}
         return {TAG: "map", "items": [[_encode(k), _encode(v)] for k, v in obj.items()]}
     cls = type(obj)
-    if _types().get(cls.__name__) is cls:
+    if _TYPES.get(cls.__name__) is cls:
         return {TAG: cls.__name__, "fields": {f.name: _encode(getattr(obj, f.name))
                                               for f in dataclasses.fields(obj)}}
     raise TypeError(f"moc.checkpoint.codec cannot send a {cls.__module__}.{cls.__qualname__}"
                     f" ({obj!r:.80}); send plain data (None, bool, int, float, str, list, "
-                    "tuple, dict) or a class listed in codec._types(); tensors travel by "
+                    "tuple, dict) or a class listed in codec.CLASSES; tensors travel by "
                     "tensor collectives, dtypes by name")
 
 
@@ -106,10 +130,13 @@ def _decode(tree: Any) -> Any:
             if tree["v"] not in ("nan", "inf", "-inf"):
                 raise CodecError(f"not a float: {tree['v']!r:.40}")
             return float(tree["v"])
-        cls = _types().get(kind) if isinstance(kind, str) else None
+        cls = _TYPES.get(kind) if isinstance(kind, str) else None
+        if cls is None and isinstance(kind, str) and kind in CLASSES:
+            raise CodecError(f"a {kind} in a moc message, but this process has not "
+                             f"imported {CLASSES[kind]}, which registers it")
         if cls is None:
             raise CodecError(f"unknown type {kind!r:.60} in a moc message; expected one of "
-                             f"tuple, map, float, {', '.join(sorted(_types()))}")
+                             f"tuple, map, float, {', '.join(sorted(CLASSES))}")
         fields = tree["fields"]
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or set(fields) != names:

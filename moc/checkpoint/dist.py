@@ -54,17 +54,17 @@ it, before it enters the collective: a bug in the caller, never a message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moc.checkpoint import codec
-from moc.checkpoint.errors import (
+from moc.checkpoint.errors import (  # RankError: here too, where it always was
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    RankError,
 )
 from moc.topology import ParallelGroups
 
@@ -75,22 +75,6 @@ ALIGN = 8
 """Each tensor starts 8-byte aligned in `gather_tensors`' flat buffer, so it can be viewed
 as any dtype again without a copy."""
 _SEVERITY = (IncompatibleCheckpointError, CorruptCheckpointError, CheckpointError)
-
-
-@dataclass(frozen=True)
-class RankError:
-    """One rank's failure, as every rank learns it from `agree`."""
-
-    rank: int
-    kind: str
-    """The exception's class name."""
-    message: str
-
-    @classmethod
-    def of(cls, rank: int, error: BaseException) -> RankError:
-        """`error` as plain data: keeping the exception would keep its traceback's
-        frames (and the process groups they reference) alive."""
-        return cls(rank, type(error).__name__, str(error))
 
 
 class Dist:

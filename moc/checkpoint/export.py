@@ -43,13 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from moc.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from moc.checkpoint.modelconfig import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
+from moc.checkpoint.modelconfig import model_config_of as model_config_of
 from moc.checkpoint.recovery import CheckpointReader, line_problems
 from moc.checkpoint.shards import extent, piece_index
 from moc.checkpoint.spec import parse_expert_key
@@ -66,9 +67,6 @@ FORMATS = ("hf", "safetensors", "torch")
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Largest `hf` shard: save_pretrained's long-standing default ("5GB"); a tensor larger
 than it gets a shard of its own."""
-MAX_CONFIG_BYTES = 1 << 20
-"""A model config is a few kB of JSON; anything larger is not stored in manifests (every
-manifest carries it), with a warning."""
 SAFETENSORS_METADATA = {"format": "pt"}
 """What transformers' loader expects in a safetensors header."""
 
@@ -98,42 +96,6 @@ class ExportReport:
     @property
     def partial(self) -> bool:
         return any(a for ages in self.expert_age.values() for a in ages)
-
-
-# -- what the engines store for export --------------------------------------------------
-
-
-def model_config_of(model: nn.Module) -> dict[str, Any]:
-    """`model.config` as JSON (a transformers `PretrainedConfig`: `to_json_string`, else
-    anything with `to_dict`, or a plain dict, as moc's own `Transformer.config` is), for
-    `config.json` on export; {} when the model has none or it is not JSON.
-    `architectures` is filled in as save_pretrained does."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return {}
-    try:
-        if callable(getattr(config, "to_json_string", None)):
-            d = json.loads(config.to_json_string(use_diff=False))
-        elif callable(getattr(config, "to_dict", None)):
-            d = config.to_dict()
-        elif isinstance(config, dict):
-            d = dict(config)
-        else:
-            return {}
-        text = json.dumps(d, allow_nan=False)  # strict JSON, as manifests are
-    except (TypeError, ValueError) as e:
-        log.warning("model.config is not JSON (%s); exports of its checkpoints will have no "
-                    "config.json", e)
-        return {}
-    if not isinstance(d, dict):
-        return {}
-    if len(text) > MAX_CONFIG_BYTES:
-        log.warning("model.config is %d bytes of JSON, over %d; not stored (exports will "
-                    "have no config.json)", len(text), MAX_CONFIG_BYTES)
-        return {}
-    if "architectures" in d and not d["architectures"]:
-        d["architectures"] = [type(model).__name__]
-    return d
 
 
 # -- the state dict a manifest describes ------------------------------------------------

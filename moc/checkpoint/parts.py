@@ -17,9 +17,9 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from moc.checkpoint.dist import Dist, RankError, raise_failures
-from moc.checkpoint.export import model_config_of
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, FailurePolicy
 from moc.checkpoint.lineage import Lineage, SaveOrder, segment_id
+from moc.checkpoint.modelconfig import model_config_of
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger

@@ -9,7 +9,8 @@ persist process (`persist.key`, 0600 in the job directory: written by rank 0 bef
 starts the process, handed to the process on its stdin, read by the other ranks). The
 payload of each frame is `moc.checkpoint.codec`'s JSON, never a pickle
 (`send_bytes`/`recv_bytes`, never `send`/`recv`): a message can only decode to plain
-data and to the classes below, and anything else is refused. The secret is regenerated
+data and to the classes below (registered with the codec at the end of this module,
+which `codec.CLASSES` must list), and anything else is refused. The secret is regenerated
 each time rank 0 starts a persist process (`generation`), so a process that read an
 older one cannot speak to the new one.
 
@@ -56,6 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from moc.checkpoint import codec
 
 SECRET_BYTES = 32
 """Length of a persist process's random secret (its HMAC key)."""
@@ -149,3 +152,6 @@ class Done:
     from it on every rank without reading storage back: a plan runs while training may
     wait for it, and a store that hangs or fails (an outage, an NFS server gone) must
     slow the persist down, never a training step (issue 29)."""
+
+
+codec.register(Hello, Ready, Failed, Persist, Abandon, Stop, Done)
