@@ -64,9 +64,8 @@ def module_map() -> str:
         if not modules and not subpackages:
             continue
         out += ["| module | what it is |", "| --- | --- |"]
-        out += [f"| `{module_name(p)}` | {_cell(_summary(p))} |" for p in modules]
-        out += [f"| `{module_name(p / '__init__.py')}` (package) | "
-                f"{_cell(_summary(p / '__init__.py'))} |" for p in subpackages]
+        out += [f"| `{p.stem}` | {_cell(_summary(p))} |" for p in modules]
+        out += [f"| `{p.name}/` | {_cell(_summary(p / '__init__.py'))} |" for p in subpackages]
         out.append("")
     return "\n".join(out)
 
