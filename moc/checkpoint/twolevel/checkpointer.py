@@ -46,8 +46,17 @@ decides: "skip" (the default) takes the snapshot but does not persist it, and th
 is reported; "wait" makes the snapshot wait until the running persist is done, so
 training waits for it in `wait_for_snapshot()`.
 
-This class only wires the parts and keeps the caller's bookkeeping: the results of the
-checkpoints in flight (owned by the caller's thread) and the one snapshot being taken.
+This class only composes the parts and keeps the caller's bookkeeping (the checkpoints
+in flight, owned by the caller's thread, and the one snapshot being taken):
+
+    Snapshotter      the slots, the snapshot thread and the peer replicas (`stage` -> handle)
+    PersistExecutor  the persist process, its protocol and the commit (`execute` -> future)
+    EngineState      the one owner of the chain, the ledger, the slot roles, the persist
+                     in flight and the checkpoints' failures
+    SnapshotPlanner  the exchange and the plan (`snapshot_plan`, a pure function)
+
+With `optimizer=None` the constructor returns the model-only engine instead, a reader of
+storage (`twolevel.reader.StorageReader`).
 """
 
 from __future__ import annotations
@@ -59,13 +68,11 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -77,7 +84,7 @@ from moc.checkpoint.api import (
 )
 from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, CheckpointFailedError
+from moc.checkpoint.failures import DEFAULT_MAX_FAILURES
 from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.phases import Phases
@@ -85,36 +92,27 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.store.backend import ObjectPath
+from moc.checkpoint.store.backend import process_local
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
-from moc.checkpoint.sync import Checkpointer
-from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node, restore_from_memory
+from moc.checkpoint.twolevel.engine_state import EngineState
+from moc.checkpoint.twolevel.executor import PersistExecutor
+from moc.checkpoint.twolevel.memory_restore import restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
 from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
+from moc.checkpoint.twolevel.reader import StorageReader
 from moc.checkpoint.twolevel.replica import ReplicaReport
-from moc.checkpoint.twolevel.replication import Replication
-from moc.checkpoint.twolevel.sizing import choose_k, parse_k_replica, parse_k_snapshot
-from moc.checkpoint.twolevel.slots import (
-    SnapshotHeader,
-    SnapshotStore,
-    claim_job,
-    default_job_id,
-    job_dir,
-    remove_job,
-)
-from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotWorker, background_priority
+from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
+from moc.checkpoint.twolevel.slots import claim_job, default_job_id, job_dir, remove_job
+from moc.checkpoint.twolevel.snapshotter import Snapshotter
+from moc.checkpoint.twolevel.worker import SnapshotHandle, background_priority
 from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
 log = logging.getLogger(__name__)
-
-
-AUTO_SAMPLES = 3
-"""Complete snapshots `k_snapshot="auto"` measures before it chooses (the best of them)."""
 
 
 @dataclass
@@ -126,11 +124,16 @@ class _InFlight:
     wait_s: float = 0.0
     snapshot_s: float | None = None
     outcome: PlanOutcome | None = None
-    done: Done | None = None
     replica: Future | None = None
     """This rank's replication round (across nodes), on the snapshot thread."""
     snapshot_phases: Phases | None = None
     copy_Bps: float | None = None
+
+    @property
+    def done(self) -> Done | None:
+        """The outcome of its persist, once this rank knows it."""
+        persist = self.outcome.persist if self.outcome is not None else None
+        return persist.result() if persist is not None and persist.done() else None
 
     def final(self, rank: int) -> bool:
         """Its snapshot is taken, its replica round (if any) is over, and (rank 0, which
@@ -190,11 +193,20 @@ def _wait_before_optimizer_steps(engine: weakref.ref[TwoLevelCheckpointer]
     return hook
 
 
+def _check_options(persist_policy: str) -> None:
+    """What both forms of the engine refuse before they touch anything."""
+    if persist_policy not in PERSIST_POLICIES:
+        raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
+                         f"got {persist_policy!r}")
+    background_priority()  # a bad MOC_CKPT_PRIORITY fails here, not in the background
+
+
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
-    """Two-level checkpointing on one node (MoC-System's): `save` returns at once; a
-    snapshot thread copies the state into node-local shared memory behind the next
-    forward and backward, and a persist process writes the partial (K_persist) share
-    to storage. Implements `moc.checkpoint.api.CheckpointEngine`.
+    """Two-level checkpointing: `save` returns at once; a snapshot thread copies the
+    state into node-local shared memory behind the next forward and backward, and a
+    persist process per node writes the partial (K_persist) share to storage; across
+    nodes each snapshot is also replicated to a peer node's memory. Implements
+    `moc.checkpoint.api.CheckpointEngine`.
 
     Choose it when checkpoint stalls matter: training waits only in
     `wait_for_snapshot()`, and a process crash recovers from memory, exactly (the
@@ -217,15 +229,19 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     rank may send, None: unlimited). The checkpoint directory must then be storage
     every node sees (a shared file system or an object store).
 
-    With `optimizer=None` (model-only: restore for inference, never save) it is
-    `moc.Checkpointer`'s model-only engine, a reader of storage: node memory and the
-    persist process belong to the training job of the directory, which may be running
-    beside it under the same default `job`, so a reader claims, reads and removes none
-    of them.
+    With `optimizer=None` (model-only: restore for inference, never save) the
+    constructor returns a `twolevel.reader.StorageReader`: `moc.Checkpointer`'s
+    model-only engine, which leaves the training job's memory and persist process alone.
     """
 
-    _reader: Checkpointer | None = None
-    """The model-only engine this one is (`optimizer=None`); None for a training engine."""
+    def __new__(cls, model: nn.Module, optimizer: object, directory: str | Path,
+                **options: Any) -> Any:
+        if optimizer is None:
+            _check_options(options.pop("persist_policy", "skip"))
+            for name in ("k_snapshot", "k_replica", "replica_jump", "replica_rate"):
+                options.pop(name, None)
+            return StorageReader(model, directory, **options)
+        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, optimizer: object, directory: str | Path, *,
                  experts: ExpertSpec | None = None, groups: ParallelGroups | None = None,
@@ -236,66 +252,45 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                  max_failures: int | None = DEFAULT_MAX_FAILURES,
                  k_replica: int | str | None = "all", replica_jump: int = 1,
                  replica_rate: float | None = None) -> None:
-        if persist_policy not in PERSIST_POLICIES:
-            raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
-                             f"got {persist_policy!r}")
-        background_priority()  # a bad MOC_CKPT_PRIORITY fails here, not in the background
-        if optimizer is None:
-            self._reader = Checkpointer(model, None, directory, experts=experts,
-                                        groups=groups, policy=policy, interval=interval,
-                                        keep_last=keep_last, model_meta=model_meta,
-                                        mode=mode, max_failures=max_failures)
-            self.parts, self.root = self._reader.parts, self._reader.root
-            self.spec, self.interval = self._reader.spec, interval
-            self.job = job or default_job_id(directory)
-            return
+        _check_options(persist_policy)
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
             interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,
             max_failures=max_failures)
         self.root, self.spec, self.interval = p.root, p.spec, interval
-        if isinstance(p.root, ObjectPath) and p.root.protocol == "memory":
-            p.release()
-            raise ValueError(f"two-level checkpointing cannot persist to {p.root}: a "
-                             "memory:// store lives in one process, and the persist process "
-                             "is another; use s3:// (or another shared store), a local "
-                             "directory, or the synchronous engine (--ckpt-mode pec)")
         try:
+            if process_local(p.root):
+                raise ValueError(
+                    f"two-level checkpointing cannot persist to {p.root}: a memory:// store "
+                    "lives in one process, and the persist process is another; use s3:// "
+                    "(or another shared store), a local directory, or the synchronous "
+                    "engine (--ckpt-mode pec)")
             self.nodes = NodeLayout.from_env(p.groups.world_size)
             self.nodes.check_jump(replica_jump)
-            self.k_replica = parse_k_replica(k_replica, p.spec.n_experts)
-            k, self.auto_k_snapshot = parse_k_snapshot(k_snapshot, p.spec.n_experts)
+            k_replica = parse_k_replica(k_replica, p.spec.n_experts)
+            k, auto = parse_k_snapshot(k_snapshot, p.spec.n_experts)
         except ValueError:
             p.release()  # the directory's lock: a corrected retry must find it free
             raise
-        self._auto_seen = 0  # snapshots measured for `auto`
-        self._auto_choices: list[dict[str, Any]] = []  # rank 0: what each allowed
+        self.auto_k = AutoSnapshotK(p.groups.rank, p.spec.n_experts, p.spec.n_moe_layers,
+                                    p.groups.layout.ep) if auto else None
+        """`k_snapshot="auto"` while it measures (None: K_snapshot is fixed)."""
         self.job = job or default_job_id(directory)
-        self.store = SnapshotStore(self.job, p.groups.rank)
         try:
-            self.persist, nonce = self._start_persist()
+            client, nonce = self._start_persist()
         except BaseException:
             p.release()
             raise
-        self.worker = SnapshotWorker()
-        self.peers: Peers | None = None
-        """Across nodes: the replica group, for replication and for restores that reach
-        another node's memory."""
-        self.replication: Replication | None = None
-        """This rank's peer replicas (None: one node, or none are sent)."""
-        if self.nodes.n_nodes > 1:
-            self.peers = Peers(self.nodes, tdist.new_group(backend="gloo"), self.job)
-            if self.k_replica != 0:
-                self.replication = Replication(self.nodes, p.groups.rank, self.job,
-                                               self.peers.group, self.k_replica,
-                                               replica_jump, replica_rate)
+        self.persist = PersistExecutor(client, p.groups, self.nodes, p.root, nonce)
+        self.snapshots = Snapshotter(self.job, p.groups.rank, self.nodes, k_replica,
+                                     replica_jump, replica_rate)
+        self.books = EngineState(
+            p.chain, p.ledger, p.failures, k,
+            on_commit=p.retention.request if p.retention is not None else None)
         self.planner = SnapshotPlanner(
-            p.state, p.groups, p.dist, p.chain, p.ledger, self.persist,
+            p.state, p.groups, p.dist, self.books, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
-                       nonce), k,
-            on_commit=p.retention.request if p.retention is not None else None,
-            failures=p.failures,
-            replicas=self.replication.channel if self.replication is not None else None)
+                       nonce), replicas=self.snapshots.replicas)
         self._hand_tidy()
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
@@ -351,52 +346,46 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         torch.distributed the checkpoint's plan fails on every rank instead (raised by
         `wait_for_snapshot`), so that no rank waits for a plan another never starts.
         `final`: see `CheckpointEngine.save`; `flush`/`close` raise if it fails."""
-        if self._reader is not None:
-            self._reader.save(step, extra_state, final=final)  # refused on every rank
-            return
         t0 = time.perf_counter()
         if step in self._in_flight:
             raise ValueError(f"step {step} is already being checkpointed (its persist is "
                              "not reported yet); save each step once")
+        p = self.parts
         rejected, extra, captured = None, {}, None
         try:
             extra = checked_save(step, extra_state)
-            self.parts.check_save(step)
-            captured = self.parts.state.capture()
+            p.check_save(step)
+            captured = p.state.capture()
         except ValueError as e:
-            if not self.parts.groups.distributed:
+            if not p.groups.distributed:
                 raise
             rejected = str(e)
         else:
-            self.parts.order.saved(step)
-        run = self.parts.run  # this line's, as of this save
+            p.order.saved(step)
+        run = p.run  # this line's, as of this save
         self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
-        counts = self.parts.ledger.take_pending()
+        counts = p.ledger.take_pending()
         rng = torch.get_rng_state()
         ready = None
-        if any(q.is_cuda for q in self.parts.state.model.parameters()):
+        if any(q.is_cuda for q in p.state.model.parameters()):
             ready = torch.cuda.Event()  # the copy waits for the work queued so far
             ready.record(torch.cuda.current_stream())
         planner = self.planner
-        self._handle = SnapshotHandle(self.worker, self.store, step,
-                                      lambda: planner.plan(step, counts, rng, extra, final,
-                                                           rejected, captured, run), ready)
-        record = self._in_flight[step] = _InFlight(step, time.perf_counter() - t0)
-        if self.replication is not None:
-            handle, replication, p = self._handle, self.replication, self.parts
-            record.replica = self.worker.submit(lambda: replication.round(
-                handle, self.store, p.chain.stems, self.spec, p.groups.layout.ep))
+        self._handle = handle = self.snapshots.stage(
+            step, lambda: planner.plan(step, counts, rng, extra, final, rejected, captured,
+                                       run),
+            ready, p.chain, self.spec, p.groups.layout.ep)
+        self._in_flight[step] = _InFlight(step, time.perf_counter() - t0,
+                                          replica=handle.replica)
         self._saved_at = time.perf_counter()
 
     def wait_for_snapshot(self) -> None:
         """Blocks until the snapshot being taken is complete: the only place training
-        waits on a checkpoint. Raises, once, what the plan or the copy met, and an error
-        of the background work shared by rank 0 (retention)."""
-        if self._reader is not None:
-            return  # a reader takes no snapshots
+        waits on a checkpoint. Raises, once, what the plan or the copy met, and what the
+        background work's agreed failures are (`EngineState.raise_failure`)."""
         handle = self._handle
         if handle is None:
-            self._raise_shared_error()
+            self._raise_failure()
             return
         t0 = time.perf_counter()
         window = t0 - self._saved_at if self._saved_at is not None else None
@@ -408,100 +397,70 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             # failed checkpoint is not reported again as in flight.
             self._in_flight.pop(handle.step, None)
             raise
-        self.planner.newest_slot = handle.slot
-        if self.auto_k_snapshot and window is not None:
-            self._size_snapshots(header, handle, window)
+        assert handle.slot is not None
+        self.books.snapshot_taken(handle.slot)
+        if self.auto_k is not None and window is not None:
+            p = self.parts
+            choice = self.auto_k.observe(header, handle.copy_s, window, handle.plan_s,
+                                         p.chain.stems, p.ledger.k)
+            if not self.auto_k.measuring:
+                self.auto_k = None
+                if choice is not None:
+                    self.books.choose(choice)  # shared at the next plan
         rec = self._in_flight[handle.step]
         rec.wait_s, rec.snapshot_s = time.perf_counter() - t0, handle.seconds
         rec.snapshot_phases, rec.copy_Bps = handle.phases, handle.copy_Bps
         rec.outcome = handle.job.outcome if handle.job is not None else None
-        self._raise_shared_error()
+        self._raise_failure()
 
-    def _size_snapshots(self, header: SnapshotHeader, handle: SnapshotHandle,
-                        window: float) -> None:
-        """`k_snapshot="auto"`: measure the first AUTO_SAMPLES snapshots (complete ones)
-        and keep the largest K_snapshot any of them allows. One copy can be starved by
-        what only happens once (the chain's first persist of every expert, the first
-        page faults, the other rank's warm-up): a copy measured at 0.49 GB/s that ran at
-        3.5 GB/s from then on. A copy cannot be measured faster than the machine lets
-        it run, so the best of a few is the one to trust. Rank 0 decides; the choice is
-        shared at the next plan so that every rank uses the same K_snapshot (every rank
-        counts the same snapshots, so all stop measuring at the same one)."""
-        if self.parts.groups.rank == 0:
-            self._auto_choices.append(choose_k(
-                header, handle.copy_s, window, handle.plan_s, self.parts.chain.stems,
-                self.spec.n_experts, self.spec.n_moe_layers, self.parts.ledger.k,
-                self.parts.groups.layout.ep))
-        self._auto_seen += 1
-        if self._auto_seen < AUTO_SAMPLES:
-            return
-        self.auto_k_snapshot = False
-        if self._auto_choices:
-            self.planner.choice = max(self._auto_choices,
-                                      key=lambda c: (c["k_snapshot"], c["copy_Bps"]))
-
-    def _raise_shared_error(self) -> None:
-        """Raise, once, an error of rank 0's background work (retention) that the plans
-        shared with every rank; only when no plan runs (it is the plan's to write)."""
-        error, self.planner.shared_error = self.planner.shared_error, None
-        if error:
-            raise CheckpointError(error)
-        fatal, self.planner.fatal = self.planner.fatal, None
-        if fatal:
-            lost = self._persist_lost()
-            raise CheckpointFailedError(f"{fatal}; {lost}" if lost else fatal)
+    def _raise_failure(self) -> None:
+        """The engine's one exit for the failures of its background work (agreed by
+        every rank at a plan's exchange): raised here, on the caller's thread."""
+        self.books.raise_failure(self._persist_lost)
 
     @property
     def pending(self) -> bool:
         """Whether a checkpoint is still being taken or persisted, or not drained yet."""
-        if self._reader is not None:
-            return False
         return bool(self._in_flight)
 
     def drain_completed(self) -> list[CheckpointResult]:
         """Checkpoints whose snapshot is taken and whose persist has finished or was
         skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
-        if self._reader is not None:
-            return self._reader.drain_completed()
         rank = self.parts.groups.rank
         if rank == 0:
             self.planner.poll()
-        while not self.planner.reports.empty():
-            done = self.planner.reports.get()
-            if done.step in self._in_flight:
-                self._in_flight[done.step].done = done
-        out = [self._in_flight.pop(step).result(self.parts.mode)
-               for step in sorted(self._in_flight) if self._in_flight[step].final(rank)]
-        return out
+        return [self._in_flight.pop(step).result(self.parts.mode)
+                for step in sorted(self._in_flight) if self._in_flight[step].final(rank)]
 
     def flush(self) -> None:
         """Wait for the snapshot and the persist in flight (collective); their results
         are then in `drain_completed()`."""
-        if self._reader is not None:
-            return
         self.wait_for_snapshot()
         self.wait_for_replicas()  # a restore's transfers use the same process group
         self.planner.share(block=True)
-        self._raise_shared_error()
+        self._raise_failure()
 
     def wait_for_replicas(self) -> None:
         """Block until this rank's replica rounds in flight are over. Local (no
         collective): the snapshot thread finishes them with its peers on its own."""
-        if self._reader is not None:
-            return
-        wait_all([r.replica for r in self._in_flight.values() if r.replica is not None])
+        self.snapshots.wait_for_replicas(
+            [r.replica for r in self._in_flight.values() if r.replica is not None])
+
+    def background_pids(self) -> list[int]:
+        """This rank's persist process, when it runs its node's (for fault drills)."""
+        process = self.persist.process
+        return [process.pid] if process is not None and process.poll() is None else []
+
+    def drop_node_memory(self) -> None:
+        """Delete this job's snapshots and replicas in this node's memory: what losing
+        the machine loses (fault drills)."""
+        remove_job(self.job)
 
     def host_memory(self) -> dict[str, int]:
         """Host memory this rank holds for checkpoints: its own snapshot slots and the
         peer replicas it keeps (`ckpt_host_bytes`, their sum), one snapshot's size, and
-        the replicas. share (`replica_host_bytes`)."""
-        if self._reader is not None:
-            return {"ckpt_host_bytes": 0, "snapshot_bytes": 0}
-        sizes = self.store.sizes()
-        if self.replication is not None:
-            sizes.update(self.replication.sizes())
-            sizes["ckpt_host_bytes"] += sizes["replica_host_bytes"]
-        return sizes
+        the replicas' share (`replica_host_bytes`)."""
+        return self.snapshots.sizes()
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -514,11 +473,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         middle of a run must not race the snapshot thread's collective, nor leave a
         persist that commits after the restore.
         """
-        if self._reader is not None:
-            report = self._reader.restore(step)
-            return None if report is None else dataclasses.replace(report, sources={
-                "storage": list(range(self.parts.groups.world_size))})
-        p, planner = self.parts, self.planner
+        p, snapshots = self.parts, self.snapshots
         self.flush()
         if p.groups.rank == 0:
             warn_interrupted_commits(p.root, repair=p.tidy is not None)
@@ -526,34 +481,30 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if not p.root.exists():
             # The checkpoint directory is gone (a fresh start was asked for): snapshots
             # left in memory by an earlier run of it must not be resumed.
-            self._invalidate_newer_than(-1)
+            snapshots.invalidate_newer_than(-1)
         mem = None
         if step is None:
-            mem = restore_from_memory(self.store, p.root, p.state, p.dist, storage, p.layout,
-                                      p.model_meta, p.chain.tracked_kind, p.run_id,
-                                      self.peers)
+            mem = restore_from_memory(snapshots.store, p.root, p.state, p.dist, storage,
+                                      p.layout, p.model_meta, p.chain.tracked_kind, p.run_id,
+                                      snapshots.peers)
         if mem is None:
-            planner.newest_slot = planner.persist_slot = None
+            self.books.restored_from_storage()
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
                                          p.ledger, p.tidy, restored=p.restored, run_id=p.run_id,
                                          step=step, commits_checked=True)
-            self._invalidate_newer_than(report.step if report is not None else -1)
+            snapshots.invalidate_newer_than(report.step if report is not None else -1)
             self._hand_tidy()
             if report is None:
                 return None
             return dataclasses.replace(report, sources={
                 "storage": list(range(p.groups.world_size))})
-        self._invalidate_newer_than(mem.step)
+        snapshots.invalidate_newer_than(mem.step)
         self._hand_tidy()
         p.restored(mem.step, Lineage.from_json(mem.meta["line"], "snapshot lineage"))
-        planner.newest_slot, planner.persist_slot = mem.slot, None
-        planner.snap_index = int(mem.meta.get("snap_index", -1)) + 1
-        p.ledger.load_json(mem.meta["ledger"])
-        if storage:
-            # The chain continues from storage (the snapshot's line continues it).
-            planner.committed(Manifest.load(p.root, storage[-1]))
-        else:
-            p.chain.reset()
+        # The chain continues from storage (the snapshot's line continues it).
+        self.books.restored_from_memory(
+            mem.slot, int(mem.meta.get("snap_index", -1)), mem.meta["ledger"],
+            Manifest.load(p.root, storage[-1]) if storage else None)
         plt = p.ledger.recover(mem.at_copy, mem.meta, mem.stale)
         sources: dict[str, list[int]] = {}
         for rank, source in enumerate(mem.sources):
@@ -566,16 +517,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Rank 0, at start and after a restore (no plan runs): the clean-up the read
         path left for the write path goes to the persist process with the next persist
         request, so that it touches storage there, never on a training step."""
-        work = self.parts.tidy.take() if self.parts.tidy is not None else None
-        if work is not None:
-            self.planner.tidy = {**(self.planner.tidy or {}), **work}
-
-    def _invalidate_newer_than(self, step: int) -> None:
-        """After restoring `step`: forget newer snapshots (this rank's) and, on a node's
-        leader, every newer snapshot and replica its node holds."""
-        self.store.invalidate_newer_than(step)
-        if self.peers is not None and self.nodes.is_leader(self.parts.groups.rank):
-            invalidate_node(self.job, step)
+        self.persist.add_tidy(self.parts.tidy.take() if self.parts.tidy is not None else None)
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -588,44 +530,38 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         wrong on every rank: CheckpointError when the persist process was lost for good
         (the job must not look successful with its checkpoints in memory),
         CheckpointFailedError when the final checkpoint failed."""
-        if self._reader is not None:
-            self._reader.close()
-            return
         p = self.parts
         failures = []
         try:
             self.flush()
-            # A model-only engine never writes: not even its newest snapshot (another
-            # job's, which it only read).
-            why = None if p.model_only else self.planner.persist_newest(self.store)
+            why = self.planner.persist_newest(self.snapshots.store)
             if why is not None and p.groups.rank == 0:
                 log.warning("the newest checkpoint on storage is not complete: %s", why)
             # A retention error learned in that flush has no later plan to share it.
-            failures = p.dist.agree(self.planner.take_error())
+            failures = p.dist.agree(self.books.take_unshared())
         finally:
             try:
                 self._step_hook.remove()
                 self.persist.stop()
             finally:
-                self.worker.stop()
-                self.store.release()
-                if self.replication is not None:
-                    self.replication.release()
+                self.snapshots.release()
                 if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
                     self._remove_snapshots()
                 if p.retention is not None:
                     p.retention.close()
                 p.release()
-        self._raise_shared_error()
+        self._raise_failure()
         raise_failures(failures, p.groups.world_size)
-        self._raise_if_persist_lost()
+        lost = self._persist_lost()
+        if lost:
+            raise CheckpointError(lost)
 
     def _remove_snapshots(self) -> None:
         """Rank 0, at close: remove the job's shared memory unless its newest snapshot is
         newer than the newest complete step on storage, or the persist process was lost
         (then a restart of the job resumes from it; the next job start removes it once
         its owner is gone)."""
-        newest = max((h.step for h in self.store.headers().values()), default=None)
+        newest = self.snapshots.newest_step()
         try:
             durable = complete_steps(self.root)
         except OSError as e:  # a store that cannot be listed proves nothing: keep them
@@ -633,23 +569,18 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                         "listed (%s)", job_dir(self.job), self.root, e)
             return
         if newest is not None and (not durable or newest > durable[-1]
-                                   or not self.planner.persist_alive):
+                                   or not self.books.persist_alive):
             log.warning("kept the snapshot of step %d in %s: it is newer than the newest "
                         "checkpoint on storage (%s)", newest, job_dir(self.job),
                         f"step {durable[-1]}" if durable else "none")
             return
         remove_job(self.job)
 
-    def _raise_if_persist_lost(self) -> None:
-        """Every rank (persist_alive is rank 0's view, shared at each plan)."""
-        lost = self._persist_lost()
-        if lost:
-            raise CheckpointError(lost)
-
     def _persist_lost(self) -> str | None:
         """What to say when the persist process is gone for good (None: it is not): where
-        the checkpoints that never reached storage are, and what to do."""
-        if self.planner.persist_alive:
+        the checkpoints that never reached storage are, and what to do. Every rank
+        (persist_alive is agreed at each plan)."""
+        if self.books.persist_alive:
             return None
         manifest = self.parts.chain.manifest
         return (

@@ -195,6 +195,8 @@ class SnapshotHandle:
         self.nbytes = 0
         """Bytes copied."""
         self.header: SnapshotHeader | None = None
+        self.replica: Future | None = None
+        """This rank's replica round of the snapshot, across nodes (`Snapshotter.stage`)."""
         self._error: BaseException | None = None
 
         def run() -> None:

@@ -223,8 +223,8 @@ def test_a_partial_snapshot_restores_each_expert_from_its_newest_copy(tmp_path):
 
 
 def test_auto_k_snapshot_measures_the_first_copies_and_keeps_the_best(tmp_path, monkeypatch):
-    from moc.checkpoint.twolevel import checkpointer as module
-    from moc.checkpoint.twolevel.sizing import choose_k
+    from moc.checkpoint.twolevel import sizing as module
+    choose_k = module.choose_k
 
     measured = []
 
@@ -269,7 +269,7 @@ def test_snapshots_newer_than_the_restored_step_are_forgotten(tmp_path):
     ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
     _train(model, opt, ckpt, 7)
     ckpt.close(keep_snapshots=True)
-    store = ckpt.store
+    store = ckpt.snapshots.store
     (slot7,) = [s for s, h in store.headers().items() if h.step == 7]
     raw = bytearray(store.bin_path(slot7).read_bytes())
     raw[100] ^= 0xFF  # step 7's snapshot no longer verifies, and its persisted copy
@@ -278,7 +278,7 @@ def test_snapshots_newer_than_the_restored_step_are_forgotten(tmp_path):
     resumed = TwoLevelCheckpointer(*_build(1), root)
     report = resumed.restore()
     assert (report.step, report.source) == (6, "memory")
-    assert max(h.step for h in resumed.store.headers().values()) == 6
+    assert max(h.step for h in resumed.snapshots.store.headers().values()) == 6
     resumed.close()
 
 
@@ -306,17 +306,17 @@ def test_a_failed_snapshot_is_raised_once_and_the_chain_goes_on(tmp_path, monkey
     ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
     records = _train(model, opt, ckpt, 2)
     ckpt.wait_for_snapshot()  # step 2's copy is done before the shared memory "fills"
-    real_write = ckpt.store.write
+    real_write = ckpt.snapshots.store.write
 
     def full_shm(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.store, "write", full_shm)
+    monkeypatch.setattr(ckpt.snapshots.store, "write", full_shm)
     ckpt.save(3, {"step": 3})
     with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed.*No space left"):
         ckpt.wait_for_snapshot()
     assert ckpt.wait_for_snapshot() is None  # raised once, not at every later call
-    monkeypatch.setattr(ckpt.store, "write", real_write)
+    monkeypatch.setattr(ckpt.snapshots.store, "write", real_write)
     records += _train(model, opt, ckpt, 2, start=4)
     ckpt.flush()
     records += ckpt.drain_completed()
@@ -382,7 +382,7 @@ def test_the_snapshot_thread_runs_in_sched_idle_the_persist_process_niced_traini
         records = _kill_persist_after_step_1(model, opt, ckpt)
         ckpt.flush()
         assert ckpt.persist.process is not first and not records[-1].error
-        assert os.sched_getscheduler(ckpt.worker.thread.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(ckpt.snapshots.worker.thread.native_id) == os.SCHED_IDLE
         assert _scheduling(ckpt.persist.process.pid) == (os.SCHED_OTHER, 19)
         assert _scheduling(me) == before
     finally:
@@ -406,7 +406,7 @@ def test_moc_ckpt_priority_sets_how_checkpoint_work_is_scheduled(tmp_path, monke
         _train(model, opt, ckpt, 2)
         ckpt.flush()
         expected = snapshot or before
-        assert _scheduling(ckpt.worker.thread.native_id) == expected
+        assert _scheduling(ckpt.snapshots.worker.thread.native_id) == expected
         assert _scheduling(ckpt.persist.process.pid) == (snapshot or before)
     finally:
         ckpt.close()

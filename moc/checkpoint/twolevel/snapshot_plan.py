@@ -1,0 +1,133 @@
+"""What one two-level checkpoint copies and persists: a pure function of the engine's
+state at the plan, so that it can be read, and tested, without a process or a thread.
+
+    plan = plan_snapshot(PlanInputs(...))
+    plan.tensors     what the snapshot copies into plan.slot (every expert unless K_snapshot < N)
+    plan.write       this rank's share of the persist (empty: nothing is persisted)
+    plan.template()  the manifest's fields, for node 0's persist process
+
+Nothing here changes the chain, the ledger or the slots: the planner applies the plan
+(`SnapshotPlanner._plan`) to the engine's state (`EngineState`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moc.checkpoint.plan.chain import ChainState
+from moc.checkpoint.plan.units import rank_share
+from moc.checkpoint.policy.tokens import TokenLedger
+from moc.checkpoint.state import RankState
+from moc.checkpoint.twolevel.nodes import NodeLayout
+from moc.checkpoint.twolevel.protocol import Done
+from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
+from moc.topology import ParallelGroups
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the plans of one engine have in common."""
+
+    root: Path
+    """The checkpoint directory (manifests committed by the persist process)."""
+    mode: str
+    model_meta: dict[str, Any]
+    persist_policy: str
+    """"skip" (persist only when no persist runs) or "wait" (the plan waits for it)."""
+    run_id: str | None = None
+    """The run the checkpoint directory belongs to; every snapshot carries it, and only
+    snapshots of this run are ever restored (`store.identity`)."""
+    nodes: NodeLayout | None = None
+    """Which ranks share a node (None: one node); each node's leader speaks for its
+    persist process."""
+    nonce: str = ""
+    """This job's mark on the records of a commit across nodes (`twolevel.commit`)."""
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """What a plan decided that the checkpoint's result reports."""
+
+    k: int
+    experts_saved: list[list[int]]
+    persist_skipped: bool
+    error: str | None
+    k_snapshot: int
+    k_snapshot_chosen: dict[str, Any] | None
+    persist: Future[Done] | None = None
+    """The outcome of its persist (None: not persisted)."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The engine's state as one plan sees it."""
+
+    step: int
+    final: bool
+    persist_now: bool
+    """No persist runs and the persist process is alive: this checkpoint is persisted."""
+    persist_error: str | None
+    """Why nothing can be persisted (the persist process is gone), reported."""
+    state: dict[str, torch.Tensor]
+    """This rank's flattened state (`RankState.flatten`)."""
+    rank_state: RankState
+    groups: ParallelGroups
+    chain: ChainState
+    ledger: TokenLedger
+    config: PlanConfig
+    slot: int
+    k_snapshot: int
+    snap_index: int
+    chosen: dict[str, Any] | None
+    extra: dict[str, Any]
+    run: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    step: int
+    slot: int
+    tensors: dict[str, torch.Tensor]
+    """What the snapshot copies (all of `state` unless K_snapshot < N)."""
+    meta: dict[str, Any]
+    """What the snapshot's header records: enough to restore and to continue from it."""
+    write: list
+    """This rank's write units of the persist ([] when nothing is persisted)."""
+    outcome: PlanOutcome
+    prev_step: int | None
+    """The committed step the persist's manifest chains from."""
+    template: Callable[[], dict[str, Any]]
+    """The persisted manifest's fields but entries and files."""
+
+
+def plan_snapshot(p: PlanInputs) -> SnapshotPlan:
+    """The snapshot and persist of `p.step`: the experts the policy selects (all when
+    `final`), this rank's share of their writes, and which experts the snapshot holds."""
+    g, chain, ledger, cfg = p.groups, p.chain, p.ledger, p.config
+    selected = chain.all_experts() if p.final else chain.select(p.step, ledger)
+    wanted = chain.wanted(selected, p.step)
+    written = chain.written(selected, p.step)
+    write = rank_share(p.rank_state, g.layout, p.state, wanted) if p.persist_now else []
+    spec = p.rank_state.spec
+    experts = snapshot_experts(spec.n_experts, spec.n_moe_layers, p.k_snapshot, p.snap_index,
+                               g.layout.ep, written if p.persist_now else None,
+                               chain.manifest is None or p.final)
+    layout = chain.layout(g.world_size, g.layout.ep)
+    meta = {"extra": p.extra, "ledger": ledger.to_json(), **ledger.policy_json(),
+            "snap_index": p.snap_index, "k_snapshot": p.k_snapshot,
+            "model": cfg.model_meta, "layout": layout, "run_id": cfg.run_id,
+            "line": p.run["line"]}
+    outcome = PlanOutcome(ledger.k, written, not p.persist_now, p.persist_error,
+                          p.k_snapshot, p.chosen)
+    step, extra, run = p.step, p.extra, p.run
+    return SnapshotPlan(
+        step, p.slot, snapshot_keys(p.state, experts, chain.stems, set(write)), meta, write,
+        outcome, chain.manifest.step if chain.manifest is not None else None,
+        lambda: chain.template(step, mode=cfg.mode, layout=layout, model_meta=cfg.model_meta,
+                               extra=extra, written=written, ledger=ledger, run=run))

@@ -1,0 +1,103 @@
+"""A rank's snapshots: its slots in node-local shared memory, the thread that fills them,
+and (across nodes) the replica of each snapshot sent to a peer node's memory.
+
+    snapshots = Snapshotter(job, rank, nodes, k_replica, jump, rate)   # collective across nodes
+    handle = snapshots.stage(step, plan, ready, chain, spec, ep)        # returns at once
+    header = handle.wait()                  # the copy is done (right before optimizer.step)
+    handle.replica                          # this rank's replica round, a future (or None)
+
+The engine hands it a plan (what to copy where) and reads handles; the slots, the worker
+thread, the replica group and its stores are behind this object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
+from typing import Any
+
+import torch.distributed as tdist
+
+from moc.checkpoint.plan.chain import ChainState
+from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node
+from moc.checkpoint.twolevel.nodes import NodeLayout
+from moc.checkpoint.twolevel.replica import ReplicaChannel
+from moc.checkpoint.twolevel.replication import Replication
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
+
+
+class Snapshotter:
+    """This rank's snapshot slots, snapshot thread and peer replicas. Owner: the
+    caller's thread (stage, wait, release); the thread runs what it is handed."""
+
+    def __init__(self, job: str, rank: int, nodes: NodeLayout, k_replica: int,
+                 replica_jump: int, replica_rate: float | None) -> None:
+        self.job, self.rank, self.nodes = job, rank, nodes
+        self.store = SnapshotStore(job, rank)
+        self.worker = SnapshotWorker()
+        self.peers: Peers | None = None
+        """Across nodes: the replica group, for replication and for restores that reach
+        another node's memory."""
+        self.replication: Replication | None = None
+        """This rank's peer replicas (None: one node, or none are sent)."""
+        if nodes.n_nodes > 1:
+            self.peers = Peers(nodes, tdist.new_group(backend="gloo"), job)
+            if k_replica != 0:
+                self.replication = Replication(nodes, rank, job, self.peers.group, k_replica,
+                                               replica_jump, replica_rate)
+
+    @property
+    def replicas(self) -> ReplicaChannel | None:
+        """The channel replicas go through (None: none are sent)."""
+        return self.replication.channel if self.replication is not None else None
+
+    def stage(self, step: int, plan: Callable[[], SnapshotJob], ready: Any,
+              chain: ChainState, spec: ExpertSpec, ep: int) -> SnapshotHandle:
+        """Hand `step`'s snapshot to the thread: `plan` decides what to copy and where,
+        then the copy; across nodes, then its replica round (`handle.replica`)."""
+        handle = SnapshotHandle(self.worker, self.store, step, plan, ready)
+        replication = self.replication
+        if replication is not None:
+            handle.replica = self.worker.submit(lambda: replication.round(
+                handle, self.store, chain.stems, spec, ep))
+        return handle
+
+    @staticmethod
+    def wait_for_replicas(rounds: list[Future]) -> None:
+        """Block until these replica rounds are over (local: no collective)."""
+        wait_all(rounds)
+
+    def headers(self) -> dict[int, SnapshotHeader]:
+        return self.store.headers()
+
+    def newest_step(self) -> int | None:
+        """The step of this rank's newest snapshot in memory (None: none)."""
+        return max((h.step for h in self.store.headers().values()), default=None)
+
+    def sizes(self) -> dict[str, int]:
+        """Host memory held for checkpoints: the slots and the replicas kept for a peer
+        (`ckpt_host_bytes` their sum)."""
+        sizes = self.store.sizes()
+        if self.replication is not None:
+            sizes.update(self.replication.sizes())
+            sizes["ckpt_host_bytes"] += sizes["replica_host_bytes"]
+        return sizes
+
+    def invalidate_newer_than(self, step: int) -> None:
+        """After restoring `step`: forget newer snapshots (this rank's) and, on a node's
+        leader across nodes, every newer snapshot and replica its node holds."""
+        self.store.invalidate_newer_than(step)
+        if self.peers is not None and self.nodes.is_leader(self.rank):
+            invalidate_node(self.job, step)
+
+    def release(self) -> None:
+        """Stop the thread (after its work) and unmap the slots and replicas."""
+        try:
+            self.worker.stop()
+        finally:
+            self.store.release()
+            if self.replication is not None:
+                self.replication.release()
