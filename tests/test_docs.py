@@ -24,9 +24,9 @@ import torch
 from moc.model import ModelConfig, Transformer
 
 text = open(sys.argv[1]).read()
-section = text[text.index("\\n## A training loop\\n"):]
-code = section[section.index("```python\\n") + len("```python\\n"):]
-code = code[:code.index("```")]
+start = text.index("```python\\n", text.index("\\n## A training loop\\n")) + len("```python\\n")
+code = text[start:text.index("```", start)]
+code = "\\n" * text[:start].count("\\n") + code  # a traceback names the README's own line
 
 class LM(Transformer):  # model(batch): the batch is (inputs, targets)
     def forward(self, batch):
