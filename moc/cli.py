@@ -75,10 +75,11 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
                              "'auto'")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, complete_dcp_steps
-        from moc.checkpoint.store.backend import ObjectPath, open_root
+        from moc.checkpoint.store.storage import open_storage
 
-        root = open_root(cfg.ckpt_dir)  # a URL: an object store (ValueError if unknown)
-        if isinstance(root, ObjectPath) and cfg.ckpt_mode in DCP_MODES:
+        storage = open_storage(cfg.ckpt_dir)  # a URL: an object store (ValueError if unknown)
+        root = storage.root
+        if storage.local is None and cfg.ckpt_mode in DCP_MODES:
             raise ValueError(f"--ckpt-mode {cfg.ckpt_mode} (a DCP baseline) writes a local "
                              f"directory; --ckpt-dir {root} is an object store: use "
                              "--ckpt-mode moc, pec or blocking there")
@@ -87,7 +88,7 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
 
             DirectoryLock.acquire(root).release()  # another job's: one line, no workers
         steps = complete_steps(root)
-        dcp_steps = [] if isinstance(root, ObjectPath) else complete_dcp_steps(root)
+        dcp_steps = [] if storage.local is None else complete_dcp_steps(storage.local)
         dcp = cfg.ckpt_mode in DCP_MODES
         # Each kind of checkpointer sees only its own steps: given the other kind's, a
         # run would silently start over.

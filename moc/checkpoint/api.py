@@ -287,6 +287,26 @@ class CheckpointEngine(Protocol):
         """Host memory the engine holds for checkpoints, in bytes, by what it is for
         (e.g. `ckpt_host_bytes`, `snapshot_bytes`); {} when it holds none it can count."""
 
+    def watch_routing(self, model: torch.nn.Module, **options: Any) -> Any:
+        """Count the tokens `model`'s routers send to each expert, by forward hooks, for
+        PLT and Dynamic-K: once, before the loop. moc's engines return the recorder
+        (`moc.RoutingRecorder`, whose `remove()` ends it); an engine that saves every
+        expert of every checkpoint counts nothing and returns None."""
+        return None
+
+    def wait_for_replicas(self) -> None:
+        """Block until this rank's copies to other nodes' memory in flight are done
+        (local: no collective). Engines that keep no replicas return at once."""
+
+    def background_pids(self) -> list[int]:
+        """Process ids of the background processes this rank runs for checkpoints (a
+        persist process): for fault drills and monitoring; [] when it runs none."""
+        return []
+
+    def drop_node_memory(self) -> None:
+        """Delete what the engine keeps in this node's memory, as losing the machine
+        would (fault drills); nothing for an engine that keeps none."""
+
     @abstractmethod
     def close(self) -> None:
         """Flush, stop background work, release its resources; raise any error it met

@@ -55,11 +55,12 @@ from moc.checkpoint.recovery import CheckpointReader, line_problems
 from moc.checkpoint.shards import extent, piece_index
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import read_piece
-from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import ITEM_SIZES, write_safetensors
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, fsync_dir
+from moc.checkpoint.store.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +317,9 @@ def _write_files(tmp: Path, fmt: str, plan: dict[str, _Tensor],
     return [*files, "model.safetensors.index.json"]
 
 
-def _checked_out(root: Path | ObjectPath, out: Path, force: bool) -> None:
+def _checked_out(storage: Storage, out: Path, force: bool) -> None:
     """Refuse an OUT that would change the checkpoint directory or lose other files."""
-    r, o = (None if isinstance(root, ObjectPath) else root.resolve()), out.resolve()
+    root, r, o = storage.root, storage.local, out.resolve()
     if r is not None and (o == r or r in o.parents or o in r.parents):
         raise ValueError(f"OUT {out} is inside the checkpoint directory {root} (or holds "
                          "it): export never writes into what it reads; choose another OUT")
@@ -427,9 +428,8 @@ def _write_export(out: Path, write: Callable[[Path], list[str]]) -> list[str]:
     return files
 
 
-def _steps_message(root: Path | ObjectPath, step: int, steps: list[int]) -> str:
-    near = ([] if isinstance(root, ObjectPath)
-            else [d.name for d in sorted(root.glob(f"step-{step:08d}.*"))])
+def _steps_message(storage: Storage, step: int, steps: list[int]) -> str:
+    root, near = storage.root, storage.beside(step)
     why = f" ({', '.join(near)} exists: not a complete step)" if near else ""
     return (f"{root} has no complete step {step}{why}; complete steps: "
             f"{', '.join(map(str, steps))}")
@@ -451,7 +451,8 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
     `progress(nbytes, total)`, if given, is called after each tensor is read and
     checked, with its bytes and the export's total: a hook for a progress bar (`moc
     export` draws one on a terminal)."""
-    root = open_root(directory)  # a local directory, or an object store URL
+    storage = open_storage(directory)  # a local directory, or an object store URL
+    root = storage.root
     out = Path(os.path.abspath(out))  # "." has no name to rename
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -466,9 +467,9 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
                          f"step-NNNNNNNN/{MANIFEST}); is it the right directory?")
     step = steps[-1] if step is None else step
     if step not in steps:
-        raise ValueError(_steps_message(root, step, steps))
+        raise ValueError(_steps_message(storage, step, steps))
     try:
-        _checked_out(root, out, force)
+        _checked_out(storage, out, force)
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Path.resolve)
         raise ValueError(_unwritable(out, e, None)) from e
     manifest = Manifest.load(root, step)
@@ -497,7 +498,7 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None,
             _write_json(tmp / "config.json", manifest.model_config)
             files.append("config.json")
         _write_json(tmp / "moc-export.json", {
-            "source": str(root if isinstance(root, ObjectPath) else root.resolve()),
+            "source": storage.name,
             "step": step, "format": format,
             "expert_age": {str(m): row for m, row in ages.items()}})
         return [*files, "moc-export.json"]

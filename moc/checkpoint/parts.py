@@ -30,11 +30,12 @@ from moc.checkpoint.state import (
     as_optimizer_state,
     default_model_meta,
 )
-from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import ensure_run_id, read_run_id
 from moc.checkpoint.store.lock import DirectoryLock
 from moc.checkpoint.store.retention import BackgroundRetention
 from moc.checkpoint.store.steps import complete_steps
+from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.store.tidy import WriteTidy
 from moc.topology import ParallelGroups
 
@@ -43,7 +44,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineParts:
+    storage: Storage
+    """The checkpoint directory, normalised once, here (`store.storage`)."""
     root: Path | ObjectPath
+    """`storage.root`: what the store layer's functions take."""
     spec: ExpertSpec
     groups: ParallelGroups
     dist: Dist
@@ -121,7 +125,8 @@ class EngineParts:
         dist = Dist(groups)
         state = RankState(model, as_optimizer_state(optimizer, model), spec,
                           groups.rank).placed(dist.all_gather)
-        root = open_root(directory)  # a Path, or an ObjectPath for a URL
+        storage = open_storage(directory)  # the one place the directory is normalised
+        root = storage.root
         lock, run_id, newest, failed = None, None, None, None
         writes = optimizer is not None
         if groups.rank == 0:
@@ -144,7 +149,7 @@ class EngineParts:
         if error is not None:
             raise_failures([error], groups.world_size)
         return cls(
-            root=root, spec=spec, groups=groups, dist=dist, state=state,
+            storage=storage, root=root, spec=spec, groups=groups, dist=dist, state=state,
             policy=policy, mode=mode or ("full" if policy.selection == "full" else "pec"),
             interval=interval, model_meta=model_meta or default_model_meta(model, spec),
             chain=ChainState(spec, policy, groups.layout.ep, model_config_of(model),

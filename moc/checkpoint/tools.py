@@ -26,10 +26,11 @@ from moc.checkpoint.errors import (
 from moc.checkpoint.recovery import CheckpointReader, line_problems
 from moc.checkpoint.shards import extent, piece_index, split_key, tiles
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import RUN_FILE, read_run_id
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
+from moc.checkpoint.store.storage import Storage, open_storage
 
 ALL = "all"
 """Shown for K and experts_saved when a step saved every expert (no partial policy)."""
@@ -39,17 +40,17 @@ MAX_REASONS_SHOWN = 10
 first few name the problem as well as all of them would (VerifyReport keeps them all)."""
 
 
-def _steps_of(root: Path | ObjectPath) -> list[int]:
-    """Complete steps of `root`; ValueError (bad user input) when there are none."""
+def _steps_of(storage: Storage) -> list[int]:
+    """Complete steps of `storage`; ValueError (bad user input) when there are none."""
+    root = storage.root
     try:
         found = root.is_dir()
     except OSError as e:  # an object store that cannot be reached: say which, and why
         raise ValueError(f"cannot read {root}: {e}; check AWS_ENDPOINT_URL and the "
                          "credentials in the environment") from None
     if not found:
-        what = ("holds no objects" if isinstance(root, ObjectPath) else "is not a directory")
-        raise ValueError(f"{root} {what}; pass a checkpoint directory (the --ckpt-dir of a "
-                         "training run)")
+        raise ValueError(f"{root} {storage.absent()}; pass a checkpoint directory (the "
+                         "--ckpt-dir of a training run)")
     steps = complete_steps(root)
     if not steps:
         raise ValueError(f"{root} holds no complete checkpoint step (no "
@@ -147,10 +148,11 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
     skips unreadable manifests too), None if there is none. Raises ValueError when `root` is
     missing or holds no complete step.
     """
-    root = open_root(root)
+    storage = open_storage(root)
+    root = storage.root
     steps = []
     newest: Manifest | None = None
-    for step in _steps_of(root):
+    for step in _steps_of(storage):
         try:
             manifest = Manifest.load(root, step)
         except (CorruptCheckpointError, IncompatibleCheckpointError) as e:
@@ -270,14 +272,15 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     is wrong. Raises ValueError when `root` is missing or
     holds no complete step.
     """
-    root = open_root(root)
+    storage = open_storage(root)
+    root = storage.root
     report = VerifyReport(root)
     # (file, key) -> read back intact. Partial chains name the same pair in many
     # manifests; it is read once.
     key_ok: dict[tuple[Path, str], bool] = {}
     missing: dict[Path, set[str]] = defaultdict(set)
     files: set[Path] = set()
-    steps = _steps_of(root)
+    steps = _steps_of(storage)
     try:
         run_id = read_run_id(root)
     except CheckpointError as e:

@@ -27,7 +27,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import default_job_id, remove_job, shm_root
+from moc.checkpoint.twolevel.nodes import node_memory_root
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
@@ -84,14 +84,13 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
         return
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
     if cfg.fault_kind == "persist":
-        process = getattr(getattr(checkpointer, "persist", None), "process", None)
-        if process is not None and process.poll() is None:  # rank 0 owns the process
-            os.kill(process.pid, signal.SIGKILL)
+        for pid in checkpointer.background_pids() if checkpointer is not None else []:
+            os.kill(pid, signal.SIGKILL)  # rank 0 owns the process
         return
     if cfg.fault_rank == rank:
         metrics.close()
-        if cfg.fault_kind == "node" and cfg.ckpt_dir is not None:
-            remove_job(default_job_id(cfg.ckpt_dir))  # this job's node-local snapshots
+        if cfg.fault_kind == "node" and checkpointer is not None:
+            checkpointer.drop_node_memory()  # this job's node-local snapshots
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -104,16 +103,30 @@ def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> No
     replica rounds in flight are over (in a real run the interval is far longer than a
     round; on a loaded test machine a round can outlast a step). The crash sweep loses
     nodes at random moments instead, mid-round included."""
-    if hasattr(checkpointer, "wait_for_replicas"):
+    if checkpointer is not None:
         checkpointer.wait_for_replicas()
-    process = getattr(getattr(checkpointer, "persist", None), "process", None)
-    if process is not None and process.poll() is None:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()  # gone before the memory it reads from is
+        for pid in checkpointer.background_pids():
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)  # gone before the memory it reads from is
     metrics.close()
-    if cfg.ckpt_dir is not None:
-        remove_job(default_job_id(cfg.ckpt_dir))
+    if checkpointer is not None:
+        checkpointer.drop_node_memory()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    """Until `pid` (a child SIGKILLed) has exited; reaped when it is this process's."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:  # not our child: poll for its exit
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.01)
 
 
 def _mean_over_ranks(value: torch.Tensor, groups: ParallelGroups) -> float:
@@ -188,8 +201,7 @@ class Trainer:
         """The job's attempt (0 first), the same on every rank of every node."""
         self.checkpointer = self.make_checkpointer()
         # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
-        self.routing = (self.checkpointer.watch_routing(self.model) if isinstance(
-            self.checkpointer, (Checkpointer, TwoLevelCheckpointer)) else None)
+        self.routing = self.checkpointer.watch_routing(self.model)
         self.step = 0
 
     def _agree_on_placement(self) -> int:
@@ -201,7 +213,8 @@ class Trainer:
         the failures of its own workers (one whose workers are still healthy when
         another node re-joins restarts them uncounted), and any restart after a fault
         has at least one agent counting it."""
-        mine = {"node": node_rank(), "shm_root": str(shm_root()), "restart": restart_count()}
+        mine = {"node": node_rank(), "shm_root": str(node_memory_root()),
+                "restart": restart_count()}
         # moc's codec, never pickle (`all_gather_object`): docs/THREAT_MODEL.md.
         everyone = Dist(self.groups).all_gather(mine)
         attempt = max(r["restart"] for r in everyone)

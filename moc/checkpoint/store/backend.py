@@ -68,12 +68,6 @@ def is_url(directory: object) -> bool:
     return isinstance(directory, str) and URL_RE.match(directory) is not None
 
 
-def process_local(root: Path | ObjectPath) -> bool:
-    """Whether what is stored under `root` lives in this process only (memory://): no
-    other process (a persist process) can see it."""
-    return isinstance(root, ObjectPath) and root.protocol == "memory"
-
-
 def open_root(directory: str | Path | ObjectPath) -> Path | ObjectPath:
     """The root a checkpoint directory string names: a `Path` for a local directory
     (`file://` included), an `ObjectPath` for any other URL. ValueError for a URL whose

@@ -1,11 +1,21 @@
-"""Two-level checkpointing: a snapshot in node-local memory, persisted in the background.
+"""Two-level checkpointing: a snapshot in node-local memory, persisted in the background,
+on one node or many (each snapshot also replicated to a peer node's memory).
 
-    slots           the snapshot slots in shared memory (one owner: the rank)
-    worker          the snapshot thread: plan, then copy
-    planner         what one checkpoint's snapshot copies and persists
-    protocol        the typed messages between the ranks and the persist process
-    persist         the persist process (server) and a rank's end of it (client)
-    sizing          K_snapshot: how many experts a snapshot holds, and which
-    memory_restore  recovery from memory, each rank from its own when it can
-    checkpointer    `TwoLevelCheckpointer`, which wires them
+    checkpointer     `TwoLevelCheckpointer`: composes the parts below, and nothing else
+    reader           its model-only form (`optimizer=None`): a reader of storage
+    engine_state     `EngineState`: the one owner of chain, ledger, slot roles, failures
+    planner          the plans' exchange (every failure agreed there) and their application
+    snapshot_plan    what one checkpoint copies and persists: a pure function
+    snapshotter      `Snapshotter`: slots + snapshot thread + replicas; `stage` -> a handle
+    executor         `PersistExecutor`: persist requests; `execute` -> a future outcome
+    slots            the snapshot slots in shared memory (one owner: the rank)
+    worker           the snapshot thread: plan, then copy
+    sizing           K_snapshot: how many experts a snapshot holds, which, and `auto`
+    protocol         the typed messages between the ranks and the persist process
+    persist          the persist process (server) and a rank's end of it (client)
+    commit           the commit across nodes: begin, parts, records on storage
+    nodes            which ranks share a node; each node's leader; its memory's root
+    replica          a snapshot sent to, and kept in, another node's memory
+    replication      this rank's replica rounds, on the snapshot thread
+    memory_restore   recovery from memory: own node's, a peer's replica, or none
 """

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 import weakref
 from collections.abc import Callable
@@ -92,22 +91,18 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.store.backend import process_local
-from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor
-from moc.checkpoint.twolevel.memory_restore import restore_from_memory
+from moc.checkpoint.twolevel.memory_restore import MemoryQuery, restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
-from moc.checkpoint.twolevel.protocol import MAX_RESTARTS, Done
+from moc.checkpoint.twolevel.protocol import Done
 from moc.checkpoint.twolevel.reader import StorageReader
 from moc.checkpoint.twolevel.replica import ReplicaReport
 from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
-from moc.checkpoint.twolevel.slots import claim_job, default_job_id, job_dir, remove_job
-from moc.checkpoint.twolevel.snapshotter import Snapshotter
+from moc.checkpoint.twolevel.slots import default_job_id, job_dir, remove_job
+from moc.checkpoint.twolevel.snapshotter import Snapshotter, remove_unless_needed
 from moc.checkpoint.twolevel.worker import SnapshotHandle, background_priority
 from moc.topology import ParallelGroups
 
@@ -212,14 +207,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     `wait_for_snapshot()`, and a process crash recovers from memory, exactly (the
     snapshot holds every expert by default). Across nodes a lost node recovers from the
     replica its peer node keeps, exactly too; only when a node and its peer are both
-    lost does it fall back to storage, losing the tokens PLT reports. The loop:
-
-        ckpt = moc.TwoLevelCheckpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
-        report = ckpt.restore(); start = report.step if report else 0
-        ckpt.watch_routing(model)
-        for step in range(start + 1, steps + 1):
-            train_step(); ckpt.wait_for_snapshot(); optimizer.step()
-            ckpt.maybe_save(step, extra_state={...}, final=step == steps)
+    lost does it fall back to storage, losing the tokens PLT reports. The loop is the
+    contract's (`moc.checkpoint.api`).
 
     Takes `moc.Checkpointer`'s arguments, plus `job` (the shared-memory job id; default:
     derived from the directory, so torchrun restarts of a run find its snapshots),
@@ -259,7 +248,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             max_failures=max_failures)
         self.root, self.spec, self.interval = p.root, p.spec, interval
         try:
-            if process_local(p.root):
+            if not p.storage.shared_across_processes:
                 raise ValueError(
                     f"two-level checkpointing cannot persist to {p.root}: a memory:// store "
                     "lives in one process, and the persist process is another; use s3:// "
@@ -277,11 +266,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """`k_snapshot="auto"` while it measures (None: K_snapshot is fixed)."""
         self.job = job or default_job_id(directory)
         try:
-            client, nonce = self._start_persist()
+            self.persist = PersistExecutor.start(self.job, p.storage, p.run_id, p.groups,
+                                                 p.dist, self.nodes)
         except BaseException:
             p.release()
             raise
-        self.persist = PersistExecutor(client, p.groups, self.nodes, p.root, nonce)
         self.snapshots = Snapshotter(self.job, p.groups.rank, self.nodes, k_replica,
                                      replica_jump, replica_rate)
         self.books = EngineState(
@@ -290,44 +279,13 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.planner = SnapshotPlanner(
             p.state, p.groups, p.dist, self.books, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
-                       nonce), replicas=self.snapshots.replicas)
+                       self.persist.nonce), replicas=self.snapshots.replicas)
         self._hand_tidy()
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight: dict[int, _InFlight] = {}
         self._step_hook = register_optimizer_step_pre_hook(
             _wait_before_optimizer_steps(weakref.ref(self)))
-
-    def _start_persist(self) -> tuple[PersistClient, str]:
-        """Collective: each node's leader claims the job's shared memory on its node and
-        starts the node's persist process; the other ranks connect only once every
-        leader says its process is up, and raise a leader's error when one is not: every
-        rank fails within seconds with the same line, none waits out a connect timeout.
-        Also: the job's nonce (rank 0's), and, across nodes, a check that every node
-        sees the same checkpoint directory. (this job's client, the nonce)"""
-        p, nodes = self.parts, self.nodes
-        client, error = None, None
-        leader = nodes.is_leader(p.groups.rank)
-        if leader:
-            try:
-                if nodes.n_nodes > 1 and p.run_id is not None and (
-                        read_run_id(p.root) != p.run_id):
-                    raise CheckpointError(
-                        f"node {nodes.node(p.groups.rank)} does not see rank 0's checkpoint "
-                        f"directory {p.root} (no {p.run_id!r} run id there): across nodes "
-                        "the checkpoint directory must be storage every node sees (a shared "
-                        "file system or an object store URL)")
-                claim_job(self.job)
-                client = PersistClient(self.job, p.root, p.groups.rank, leader=True)
-            except CheckpointError as e:
-                error = f"node {nodes.node(p.groups.rank)}: {e}" if nodes.n_nodes > 1 else str(e)
-        errors = [e for e in p.dist.all_gather(error) if e is not None]
-        nonce = p.dist.broadcast(secrets.token_hex(8) if p.groups.rank == 0 else None)
-        if errors:
-            if client is not None:
-                client.stop()
-            raise CheckpointError(errors[0])
-        return client or PersistClient(self.job, p.root, p.groups.rank, 0, leader=False), nonce
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -477,16 +435,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.flush()
         if p.groups.rank == 0:
             warn_interrupted_commits(p.root, repair=p.tidy is not None)
-        storage = p.dist.broadcast(complete_steps(p.root))
-        if not p.root.exists():
+        storage = p.dist.broadcast(p.storage.steps())
+        if not p.storage.exists():
             # The checkpoint directory is gone (a fresh start was asked for): snapshots
             # left in memory by an earlier run of it must not be resumed.
             snapshots.invalidate_newer_than(-1)
         mem = None
         if step is None:
-            mem = restore_from_memory(snapshots.store, p.root, p.state, p.dist, storage,
-                                      p.layout, p.model_meta, p.chain.tracked_kind, p.run_id,
-                                      snapshots.peers)
+            mem = restore_from_memory(MemoryQuery(
+                snapshots.store, p.root, p.state, p.dist, storage, p.layout, p.model_meta,
+                p.chain.tracked_kind, p.run_id, snapshots.peers))
         if mem is None:
             self.books.restored_from_storage()
             report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
@@ -505,13 +463,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.books.restored_from_memory(
             mem.slot, int(mem.meta.get("snap_index", -1)), mem.meta["ledger"],
             Manifest.load(p.root, storage[-1]) if storage else None)
-        plt = p.ledger.recover(mem.at_copy, mem.meta, mem.stale)
-        sources: dict[str, list[int]] = {}
-        for rank, source in enumerate(mem.sources):
-            sources.setdefault(source, []).append(rank)
-        return RecoveryReport(mem.step, mem.meta["extra"], mem.source, mem.recovery_s,
-                              plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
-                              plt.k_before, sources=sources)
+        return mem.report(p.ledger.recover(mem.at_copy, mem.meta, mem.stale))
 
     def _hand_tidy(self) -> None:
         """Rank 0, at start and after a restore (no plan runs): the clean-up the read
@@ -546,7 +498,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             finally:
                 self.snapshots.release()
                 if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
-                    self._remove_snapshots()
+                    remove_unless_needed(self.job, self.snapshots.newest_step(), p.storage,
+                                         self.books.persist_alive)
                 if p.retention is not None:
                     p.retention.close()
                 p.release()
@@ -556,36 +509,6 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         if lost:
             raise CheckpointError(lost)
 
-    def _remove_snapshots(self) -> None:
-        """Rank 0, at close: remove the job's shared memory unless its newest snapshot is
-        newer than the newest complete step on storage, or the persist process was lost
-        (then a restart of the job resumes from it; the next job start removes it once
-        its owner is gone)."""
-        newest = self.snapshots.newest_step()
-        try:
-            durable = complete_steps(self.root)
-        except OSError as e:  # a store that cannot be listed proves nothing: keep them
-            log.warning("kept the snapshots in %s: the checkpoint directory %s cannot be "
-                        "listed (%s)", job_dir(self.job), self.root, e)
-            return
-        if newest is not None and (not durable or newest > durable[-1]
-                                   or not self.books.persist_alive):
-            log.warning("kept the snapshot of step %d in %s: it is newer than the newest "
-                        "checkpoint on storage (%s)", newest, job_dir(self.job),
-                        f"step {durable[-1]}" if durable else "none")
-            return
-        remove_job(self.job)
-
     def _persist_lost(self) -> str | None:
-        """What to say when the persist process is gone for good (None: it is not): where
-        the checkpoints that never reached storage are, and what to do. Every rank
-        (persist_alive is agreed at each plan)."""
-        if self.books.persist_alive:
-            return None
-        manifest = self.parts.chain.manifest
-        return (
-            f"the persist process died and could not be restarted ({MAX_RESTARTS} "
-            "restarts at most); checkpoints after "
-            f"{f'step {manifest.step}' if manifest is not None else 'the start'} reached "
-            f"shared memory only, kept in {job_dir(self.job)}: restart the job on this "
-            "node to resume from them, after fixing the persist process's error (above)")
+        """What to say when the persist process is gone for good (None: it is not)."""
+        return self.books.persist_lost(job_dir(self.job))

@@ -27,17 +27,13 @@ node 0's BEGIN is there), and every wait also stops when the persist is abandone
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.manifest import Entry
-from moc.checkpoint.store.steps import fsync_dir, tmp_dir
+from moc.checkpoint.store.storage import Storage
 
 BEGIN = "moc-begin.json"
 POLL_S = 0.02
@@ -64,55 +60,32 @@ class Part:
     error: str | None = None
 
 
-def _write_record(d: Path | ObjectPath, name: str, record: dict) -> None:
-    data = json.dumps(record).encode()
-    if isinstance(d, ObjectPath):
-        (d / name).write_confirmed(data)  # one put: whole or absent
-        return
-    tmp = d / f"{name}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, d / name)
-    fsync_dir(d)
-
-
-def _read_record(d: Path | ObjectPath, name: str) -> dict | None:
-    try:
-        return json.loads((d / name).read_text())
-    except (OSError, ValueError):  # not there (yet), or not whole: not a record
-        return None
-
-
-def write_begin(root: Path | ObjectPath, step: int, nonce: str) -> None:
+def write_begin(storage: Storage, step: int, nonce: str) -> None:
     """Node 0, right after `begin_step`: the other nodes may now write."""
-    _write_record(tmp_dir(root, step), BEGIN, {"nonce": nonce, "step": step})
+    storage.write_record(step, BEGIN, {"nonce": nonce, "step": step})
 
 
-def wait_begun(root: Path | ObjectPath, step: int, nonce: str, timeout_s: float,
-               cancelled: Callable[[], bool]) -> Path | ObjectPath:
-    """Node j: block until node 0 has begun `step` for this job; its directory."""
-    d = tmp_dir(root, step)
-    _wait(lambda: (r := _read_record(d, BEGIN)) is not None and r.get("nonce") == nonce,
-          timeout_s, cancelled, f"node 0 to begin step {step} in {d}")
-    return d
+def wait_begun(storage: Storage, step: int, nonce: str, timeout_s: float,
+               cancelled: Callable[[], bool]) -> None:
+    """Node j: block until node 0 has begun `step` for this job."""
+    _wait(lambda: (r := storage.read_record(step, BEGIN)) is not None
+          and r.get("nonce") == nonce,
+          timeout_s, cancelled, f"node 0 to begin step {step} in {storage.tmp_dir(step)}")
 
 
-def write_part(root: Path | ObjectPath, step: int, node: int, nonce: str, *,
+def write_part(storage: Storage, step: int, node: int, nonce: str, *,
                entries: dict[str, Entry] | None = None, files: dict[str, int] | None = None,
                held: list[str] | None = None, bytes_per_rank: dict[int, int] | None = None,
                error: str | None = None, keep_existing: bool = False) -> None:
     """Node j's share of `step` is on storage (or failed, with `error`). `keep_existing`
     (a leader reporting its dead process): a part already written stays."""
-    d = tmp_dir(root, step)
     if keep_existing:
-        found = _read_record(d, part_name(node))
+        found = storage.read_record(step, part_name(node))
         if found is not None and found.get("nonce") == nonce:
             return
-        if isinstance(d, Path) and not d.is_dir():
+        if not storage.writing(step):
             return  # node 0 never began it: nobody waits for this part
-    _write_record(d, part_name(node), {
+    storage.write_record(step, part_name(node), {
         "nonce": nonce, "node": node, "error": error,
         "entries": {k: [e.step, e.file, e.dtype, list(e.shape), e.crc, e.algo]
                     for k, e in (entries or {}).items()},
@@ -120,7 +93,7 @@ def write_part(root: Path | ObjectPath, step: int, node: int, nonce: str, *,
         "bytes_per_rank": {str(r): n for r, n in (bytes_per_rank or {}).items()}})
 
 
-def watch_part(root: Path | ObjectPath, step: int, node: int, nonce: str, timeout_s: float,
+def watch_part(storage: Storage, step: int, node: int, nonce: str, timeout_s: float,
                gone: Callable[[], bool], settled: Callable[[], bool]) -> threading.Thread:
     """Node j's leader, from the moment it asks its persist process for `step`: when the
     process dies (`gone()`) before the step's result is known (`settled()`), write the
@@ -139,8 +112,8 @@ def watch_part(root: Path | ObjectPath, step: int, node: int, nonce: str, timeou
         while not settled() and time.monotonic() < deadline:
             if gone():
                 with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
-                    wait_begun(root, step, nonce, deadline - time.monotonic(), settled)
-                    write_part(root, step, node, nonce, error=error, keep_existing=True)
+                    wait_begun(storage, step, nonce, deadline - time.monotonic(), settled)
+                    write_part(storage, step, node, nonce, error=error, keep_existing=True)
                 return
             time.sleep(POLL_S)
 
@@ -150,17 +123,16 @@ def watch_part(root: Path | ObjectPath, step: int, node: int, nonce: str, timeou
     return thread
 
 
-def gather_parts(root: Path | ObjectPath, step: int, nodes: range, nonce: str,
+def gather_parts(storage: Storage, step: int, nodes: range, nonce: str,
                  timeout_s: float, cancelled: Callable[[], bool]) -> list[Part]:
     """Node 0: every other node's part of `step`, waiting for the missing ones. Raises
     RuntimeError naming the node whose part failed or never came."""
-    d = tmp_dir(root, step)
     found: dict[int, dict] = {}
 
     def all_in() -> bool:
         for node in nodes:
             if node not in found:
-                r = _read_record(d, part_name(node))
+                r = storage.read_record(step, part_name(node))
                 if r is not None and r.get("nonce") == nonce:
                     found[node] = r
                     if r.get("error"):
@@ -176,11 +148,10 @@ def gather_parts(root: Path | ObjectPath, step: int, nodes: range, nonce: str,
             for node, r in sorted(found.items())]
 
 
-def clear_records(root: Path | ObjectPath, step: int, nodes: range) -> None:
+def clear_records(storage: Storage, step: int, nodes: range) -> None:
     """Node 0, before the manifest: a committed step holds only what its manifest names."""
-    d = tmp_dir(root, step)
     for name in [BEGIN, *map(part_name, nodes)]:
-        (d / name).unlink(missing_ok=True)
+        storage.remove_record(step, name)
 
 
 def _wait(done: Callable[[], bool], timeout_s: float, cancelled: Callable[[], bool],

@@ -30,6 +30,7 @@ from moc.checkpoint.failures import CheckpointFailedError, FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.twolevel.protocol import MAX_RESTARTS
 from moc.checkpoint.twolevel.slots import N_SLOTS
 
 
@@ -187,3 +188,17 @@ class EngineState:
         if fatal:
             lost = persist_lost()
             raise CheckpointFailedError(f"{fatal}; {lost}" if lost else fatal)
+
+    def persist_lost(self, where: object) -> str | None:
+        """What to say when the persist process is gone for good (None: it is not):
+        where the checkpoints that never reached storage are (`where`, the job's memory),
+        and what to do. Every rank (persist_alive is agreed at each plan)."""
+        if self.persist_alive:
+            return None
+        manifest = self.chain.manifest
+        return (
+            f"the persist process died and could not be restarted ({MAX_RESTARTS} "
+            "restarts at most); checkpoints after "
+            f"{f'step {manifest.step}' if manifest is not None else 'the start'} reached "
+            f"shared memory only, kept in {where}: restart the job on this node to resume "
+            "from them, after fixing the persist process's error (above)")

@@ -19,15 +19,19 @@ state only at the exchange, the same on every rank (`EngineState.settle`).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from moc.checkpoint.dist import Dist
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.store.identity import read_run_id
+from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.twolevel.commit import watch_part
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
@@ -40,6 +44,7 @@ from moc.checkpoint.twolevel.protocol import (
     Persist,
     Ready,
 )
+from moc.checkpoint.twolevel.slots import claim_job
 from moc.topology import ParallelGroups
 
 
@@ -61,8 +66,8 @@ class PersistExecutor:
     messages whole)."""
 
     def __init__(self, client: PersistClient, groups: ParallelGroups,
-                 nodes: NodeLayout | None, root: Path, nonce: str) -> None:
-        self.client, self.root, self.nonce = client, root, nonce
+                 nodes: NodeLayout | None, storage: Storage, nonce: str) -> None:
+        self.client, self.storage, self.nonce = client, storage, nonce
         self.rank, self.world_size = groups.rank, groups.world_size
         self.per_node = nodes.per_node if nodes is not None else groups.world_size
         self.n_nodes = nodes.n_nodes if nodes is not None else 1
@@ -73,6 +78,38 @@ class PersistExecutor:
         self._requests = 0  # persist requests so far (the same count on every rank)
         self._futures: dict[int, Future[Done]] = {}
         self._unshared: list[Done] = []  # rank 0: outcomes not yet shared
+
+    @classmethod
+    def start(cls, job: str, storage: Storage, run_id: str | None, groups: ParallelGroups,
+              dist: Dist, nodes: NodeLayout) -> PersistExecutor:
+        """Collective: each node's leader claims the job's shared memory on its node and
+        starts the node's persist process; the other ranks connect only once every
+        leader says its process is up, and raise a leader's error when one is not: every
+        rank fails within seconds with the same line, none waits out a connect timeout.
+        Across nodes, also a check that every node sees the same checkpoint directory.
+        The job's nonce is rank 0's."""
+        client, error = None, None
+        if nodes.is_leader(groups.rank):
+            try:
+                if nodes.n_nodes > 1 and run_id is not None and read_run_id(storage.root) != (
+                        run_id):
+                    raise CheckpointError(
+                        f"node {nodes.node(groups.rank)} does not see rank 0's checkpoint "
+                        f"directory {storage} (no {run_id!r} run id there): across nodes the "
+                        "checkpoint directory must be storage every node sees (a shared file "
+                        "system or an object store URL)")
+                claim_job(job)
+                client = PersistClient(job, storage, groups.rank, leader=True)
+            except CheckpointError as e:
+                error = f"node {nodes.node(groups.rank)}: {e}" if nodes.n_nodes > 1 else str(e)
+        errors = [e for e in dist.all_gather(error) if e is not None]
+        nonce = dist.broadcast(secrets.token_hex(8) if groups.rank == 0 else None)
+        if errors:
+            if client is not None:
+                client.stop()
+            raise CheckpointError(errors[0])
+        client = client or PersistClient(job, storage, groups.rank, 0, leader=False)
+        return cls(client, groups, nodes, storage, nonce)
 
     # -- the process, for the engine's drills and reports ------------------------------------
 
@@ -117,7 +154,7 @@ class PersistExecutor:
             # Settled once the outcome is known, or a newer request was made (a new
             # attempt at the same step has its own watcher).
             process = self.client.process
-            watch_part(self.root, request.step, self.node, nonce, PERSIST_TIMEOUT_S,
+            watch_part(self.storage, request.step, self.node, nonce, PERSIST_TIMEOUT_S,
                        gone=lambda: process is None or process.poll() is not None,
                        settled=lambda: future.done() or self._requests != n)
         return future

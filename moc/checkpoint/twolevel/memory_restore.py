@@ -1,6 +1,6 @@
 """Recovery from the snapshots in host memory, each rank from the nearest copy it has.
 
-    restored = restore_from_memory(store, root, state, dist, ...)   # None: use storage
+    restored = restore_from_memory(MemoryQuery(store, root, state, dist, ...))  # None: storage
 
 The ranks agree on the newest step every rank can restore, each from (in this order)
 its own snapshot of it in its node's memory ("memory"), a copy of it in another node's
@@ -35,9 +35,11 @@ from typing import Any
 
 import torch
 
+from moc.checkpoint.api import RecoveryReport
 from moc.checkpoint.dist import Dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.lineage import Lineage
+from moc.checkpoint.policy.tokens import PLTReport
 from moc.checkpoint.recovery import (
     CheckpointReader,
     DictReader,
@@ -132,6 +134,16 @@ class MemoryRestore:
     sources: list[str]
     """Per rank: "memory", "peer" or "storage"."""
 
+    def report(self, plt: PLTReport) -> RecoveryReport:
+        """The engine's report of this restore, with the tokens it lost (`plt`, the
+        ledger's `recover`)."""
+        sources: dict[str, list[int]] = {}
+        for rank, source in enumerate(self.sources):
+            sources.setdefault(source, []).append(rank)
+        return RecoveryReport(self.step, self.meta["extra"], self.source, self.recovery_s,
+                              plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
+                              plt.k_before, sources=sources)
+
 
 def overall_source(sources: list[str]) -> str:
     """The report's source for the ranks' sources (see the module docstring)."""
@@ -142,138 +154,191 @@ def overall_source(sources: list[str]) -> str:
     return "storage" if all(s == "storage" for s in sources) else "mixed"
 
 
-def restore_from_memory(store: SnapshotStore, root: Path, state: RankState, dist: Dist,
-                        storage: list[int], layout: dict[str, int],
-                        model_meta: dict[str, Any], tracked_kind: str,
-                        run_id: str | None, peers: Peers | None = None
-                        ) -> MemoryRestore | None:
+@dataclass(frozen=True)
+class MemoryQuery:
+    """What a restore from memory needs to know of the engine."""
+
+    store: SnapshotStore
+    """This rank's snapshot slots."""
+    root: Path
+    state: RankState
+    dist: Dist
+    storage: list[int]
+    """The complete steps on storage (the same list on every rank)."""
+    layout: dict[str, int]
+    model_meta: dict[str, Any]
+    tracked_kind: str
+    run_id: str | None
+    peers: Peers | None = None
+    """Across nodes: reach the copies other nodes hold."""
+
+
+def restore_from_memory(q: MemoryQuery) -> MemoryRestore | None:
     """Restore the newest checkpoint every rank can restore with some rank's memory (its
     own, or a peer's); None when there is none (or every such one failed on some rank).
     Collective.
 
-    `storage`: the complete steps on storage (the same list on every rank). A snapshot
-    older than the newest persisted step is never used: storage is newer. Only snapshots
-    of this run (`run_id`, the checkpoint directory's), of the same model and layout, and
-    of a line of training that continues the newest persisted step (its lineage says so,
-    `moc.checkpoint.lineage`) are candidates: memory left by another run, or by another
-    job that resumed this directory along another line, is never restored nor mixed
-    with what storage holds. `peers` (across nodes): reach the copies other nodes hold.
+    A snapshot older than the newest persisted step is never used: storage is newer.
+    Only snapshots of this run (`run_id`, the checkpoint directory's), of the same model
+    and layout, and of a line of training that continues the newest persisted step (its
+    lineage says so, `moc.checkpoint.lineage`) are candidates: memory left by another
+    run, or by another job that resumed this directory along another line, is never
+    restored nor mixed with what storage holds.
     """
-    newest_storage = storage[-1] if storage else None
-    base = _storage_lineage(root, newest_storage, dist, run_id)
-    if newest_storage is not None and base is None:
+    newest = q.storage[-1] if q.storage else None
+    base = _storage_lineage(q.root, newest, q.dist, q.run_id)
+    if newest is not None and base is None:
         return None  # the newest persisted step cannot be read: storage's restore decides
+    known = _Known.gather(q, base, newest)
+    # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
+    restored, _ = restore_loop(known.candidates(), known.load, q.dist, skip=(Exception,),
+                               label=lambda v: f"the snapshot of step {v[0]}")
+    return None if restored is None else known.finish(*restored)
 
-    def version(h: SnapshotHeader) -> Version | None:
-        if not (run_id is not None and h.meta.get("run_id") == run_id
-                and h.meta.get("layout") == layout and h.meta.get("model") == model_meta):
-            return None
-        try:
-            line = Lineage.from_json(h.meta.get("line"), "the snapshot's lineage")
-        except ValueError:
-            return None  # an older moc's snapshot: its line cannot be proven
-        if base is not None and not line.descends_from(h.step, base, newest_storage or 0):
-            return None
-        return (h.step, line.writer or "")
 
-    headers = {slot: h for slot, h in store.headers().items() if version(h) is not None}
-    mine = {version(h): slot for slot, h in headers.items()}
-    everyone = [{tuple(v) for v in m} for m in dist.all_gather(sorted(mine))]
-    held: Holdings = {}
-    if peers is not None and peers.nodes.is_leader(dist.rank):
-        held = node_holdings(peers.job, version)
-    holdings: list[Holdings] = dist.all_gather(held) if peers is not None else []
+class _Known:
+    """What every rank learned of the copies in memory (two collectives), and the restore
+    of one candidate version from them."""
 
-    def remote(rank: int, v: Version) -> tuple[int, str, int] | None:
+    def __init__(self, q: MemoryQuery, base: Lineage | None, newest: int | None,
+                 headers: dict[int, SnapshotHeader], everyone: list[set[Version]],
+                 holdings: list[Holdings]) -> None:
+        self.q, self.base, self.newest = q, base, newest
+        self.headers = headers
+        """This rank's candidate snapshots, by slot."""
+        self.mine = {_version(q, base, newest, h): slot for slot, h in headers.items()}
+        self.everyone = everyone
+        """Per rank: the versions in its own memory."""
+        self.holdings = holdings
+        """Per rank (a node leader's, else empty): what its node's memory holds."""
+        self.copies: Copies = {}
+        self.metas: dict[str, dict[str, Any]] = {f"slot-{slot}": h.meta
+                                                 for slot, h in headers.items()}
+        self.t0 = time.perf_counter()
+
+    @classmethod
+    def gather(cls, q: MemoryQuery, base: Lineage | None, newest: int | None) -> _Known:
+        """Collective: every rank's candidate versions, and every node's holdings."""
+        def version(h: SnapshotHeader) -> Version | None:
+            return _version(q, base, newest, h)
+
+        headers = {slot: h for slot, h in q.store.headers().items() if version(h) is not None}
+        mine = sorted(version(h) for h in headers.values())
+        everyone = [{tuple(v) for v in m} for m in q.dist.all_gather(mine)]
+        held: Holdings = {}
+        if q.peers is not None and q.peers.nodes.is_leader(q.dist.rank):
+            held = node_holdings(q.peers.job, version)
+        holdings = q.dist.all_gather(held) if q.peers is not None else []
+        return cls(q, base, newest, headers, everyone, holdings)
+
+    def remote(self, rank: int, v: Version) -> tuple[int, str, int] | None:
         """(holder's leader, kind, slot) of a copy of `rank`'s `v` in another node."""
-        for holder, held in enumerate(holdings):
+        for holder, held in enumerate(self.holdings):
             found = held.get(rank, {}).get(v)
             if found is not None and holder != rank:
                 return (holder, *found)
         return None
 
-    def source(rank: int, v: Version) -> str | None:
-        if v in everyone[rank]:
+    def source(self, rank: int, v: Version) -> str | None:
+        """Where `rank` restores `v` from: its memory, a peer's, storage, or nowhere."""
+        if v in self.everyone[rank]:
             return "memory"
-        if remote(rank, v) is not None:
+        if self.remote(rank, v) is not None:
             return "peer"
         # Storage holds the same checkpoint only if the same segment committed it.
-        same = base is not None and v == (newest_storage, base.writer)
-        return "storage" if same else None
+        return "storage" if self._on_storage(v) else None
 
-    in_memory = set().union(*everyone, {v for h in holdings for c in h.values() for v in c})
-    candidates = [v for v in sorted(in_memory, reverse=True)
-                  if all(source(r, v) is not None for r in range(dist.world_size))]
-    t0 = time.perf_counter()
-    copies: Copies = {}
-    metas: dict[str, dict[str, Any]] = {f"slot-{slot}": h.meta for slot, h in headers.items()}
+    def _on_storage(self, v: Version) -> bool:
+        return self.base is not None and v == (self.newest, self.base.writer)
 
-    def attempt(v: Version) -> tuple[Version, str, dict[str, Any] | None]:
-        nonlocal t0, copies
-        t0 = time.perf_counter()
+    def candidates(self) -> list[Version]:
+        """Versions every rank can restore from somewhere, newest first."""
+        in_memory = set().union(*self.everyone, {v for h in self.holdings
+                                                 for c in h.values() for v in c})
+        return [v for v in sorted(in_memory, reverse=True)
+                if all(self.source(r, v) is not None for r in range(self.q.dist.world_size))]
+
+    def load(self, v: Version) -> tuple[Version, str, dict[str, Any] | None]:
+        """Restore `v` into this rank (after every peer transfer of it): (v, where from,
+        the snapshot's meta when from memory)."""
+        q, rank = self.q, self.q.dist.rank
+        self.t0 = time.perf_counter()
         step = v[0]
-        plan = [source(r, v) for r in range(dist.world_size)]
-        fetched = _transfer(peers, dist.rank, plan, v, remote) if "peer" in plan else None
-        if plan[dist.rank] == "memory":
-            ancestors = {slot: h for slot, h in headers.items()
-                         if _is_ancestor(headers[mine[v]], h)}
-            reader, copies = _memory_reader(store, root, step, ancestors, newest_storage)
-            state.load(reader)
-            return v, "memory", headers[mine[v]].meta
-        if plan[dist.rank] == "peer" and fetched is None:
-            if source(dist.rank, v) is None or base is None or v != (newest_storage,
-                                                                      base.writer):
-                raise CheckpointError(f"the peer copy of step {step} of rank {dist.rank} did "
+        plan = [self.source(r, v) for r in range(q.dist.world_size)]
+        fetched = _transfer(q.peers, rank, plan, v, self.remote) if "peer" in plan else None
+        if plan[rank] == "memory":
+            ancestors = {slot: h for slot, h in self.headers.items()
+                         if _is_ancestor(self.headers[self.mine[v]], h)}
+            reader, self.copies = _memory_reader(q.store, q.root, step, ancestors, self.newest)
+            q.state.load(reader)
+            return v, "memory", self.headers[self.mine[v]].meta
+        if plan[rank] == "peer" and fetched is None:
+            if self.source(rank, v) is None or not self._on_storage(v):
+                raise CheckpointError(f"the peer copy of step {step} of rank {rank} did "
                                       "not verify, and storage does not hold that step")
             # The other ranks still restore their copies of this step; this one alone
             # takes storage's (as a rank with no copy in memory would).
             log.warning("rank %d: the peer copy of step %d did not verify (its holder says "
-                        "why); restoring this rank from storage instead", dist.rank, step)
-        elif plan[dist.rank] == "peer":
+                        "why); restoring this rank from storage instead", rank, step)
+        elif plan[rank] == "peer":
             header, tensors = fetched
-            metas["peer"] = header.meta
-            reader, copies = _peer_reader(tensors, root, step, newest_storage)
-            state.load(reader)
+            self.metas["peer"] = header.meta
+            reader, self.copies = _peer_reader(tensors, q.root, step, self.newest)
+            q.state.load(reader)
             return v, "peer", header.meta
-        reader = CheckpointReader(root, Manifest.load(root, step))
-        copies = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
-        state.load(reader)
+        reader = CheckpointReader(q.root, Manifest.load(q.root, step))
+        self.copies = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
+        q.state.load(reader)
         return v, "storage", None
 
-    # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
-    restored, _ = restore_loop(candidates, attempt, dist, skip=(Exception,),
-                               label=lambda v: f"the snapshot of step {v[0]}")
-    if restored is None:
+    def finish(self, v: Version, source: str, meta: dict[str, Any] | None
+               ) -> MemoryRestore | None:
+        """Collective, once every rank restored `v`: expert replicas made equal, and
+        what the ledger needs to count the tokens lost (None: every rank used storage)."""
+        q, dist, step = self.q, self.q.dist, v[0]
+        sources = dist.all_gather(source)
+        if all(s == "storage" for s in sources):
+            return None  # every peer copy failed: the caller restores from storage alone
+        held_keys = set(q.state.flatten())
+        # The step of the oldest expert weight each rank restored: replicas of an expert
+        # that came back from different copies (a complete snapshot, a partial replica,
+        # storage) are made equal to the freshest.
+        experts = [c for key, (c, _) in self.copies.items()
+                   if key in held_keys and (parsed := parse_expert_key(key)) is not None
+                   and parsed[0] == "param"]
+        align_expert_replicas(q.state, dist, dist.all_gather(min(experts, default=step)))
+        meta = dist.broadcast(meta, src=next(r for r, s in enumerate(sources)
+                                             if s != "storage"))
+        manifest = Manifest.load(q.root, self.newest) if self.newest is not None else None
+        at_copy = _at_copy(self.copies, self.metas, manifest, held_keys, q.tracked_kind,
+                           q.state.spec.stems(), meta)
+        # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
+        at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
+        at_copy = at_copy.max(dim=0).values
+        cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
+        at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
+        older = any(copy_step < step for key, (copy_step, _) in self.copies.items()
+                    if key in held_keys and (parsed := parse_expert_key(key)) is not None
+                    and parsed[0] == q.tracked_kind)
+        return MemoryRestore(step, self.mine[v] if source == "memory" else None, meta,
+                             overall_source(sources), time.perf_counter() - self.t0,
+                             at_copy, any(dist.all_gather(older)), sources)
+
+
+def _version(q: MemoryQuery, base: Lineage | None, newest: int | None,
+             h: SnapshotHeader) -> Version | None:
+    """The version of a snapshot that may be restored (None: another run, model,
+    layout, or a line that does not continue the newest persisted step)."""
+    if not (q.run_id is not None and h.meta.get("run_id") == q.run_id
+            and h.meta.get("layout") == q.layout and h.meta.get("model") == q.model_meta):
         return None
-    v, source_here, meta_here = restored
-    step = v[0]
-    sources = dist.all_gather(source_here)
-    if all(s == "storage" for s in sources):
-        return None  # every peer copy failed: the caller restores from storage alone
-    held_keys = set(state.flatten())
-    # The step of the oldest expert weight each rank restored: replicas of an expert
-    # that came back from different copies (a complete snapshot, a partial replica,
-    # storage) are made equal to the freshest.
-    experts = [c for key, (c, _) in copies.items()
-               if key in held_keys and (parsed := parse_expert_key(key)) is not None
-               and parsed[0] == "param"]
-    align_expert_replicas(state, dist, dist.all_gather(min(experts, default=step)))
-    meta = dist.broadcast(meta_here, src=next(r for r, s in enumerate(sources)
-                                              if s != "storage"))
-    manifest = Manifest.load(root, newest_storage) if newest_storage is not None else None
-    at_copy = _at_copy(copies, metas, manifest, held_keys, tracked_kind,
-                       state.spec.stems(), meta)
-    # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
-    at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
-    at_copy = at_copy.max(dim=0).values
-    cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
-    at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
-    older = any(copy_step < step for key, (copy_step, _) in copies.items()
-                if key in held_keys and (parsed := parse_expert_key(key)) is not None
-                and parsed[0] == tracked_kind)
-    return MemoryRestore(step, mine[v] if source_here == "memory" else None, meta,
-                         overall_source(sources), time.perf_counter() - t0, at_copy,
-                         any(dist.all_gather(older)), sources)
+    try:
+        line = Lineage.from_json(h.meta.get("line"), "the snapshot's lineage")
+    except ValueError:
+        return None  # an older moc's snapshot: its line cannot be proven
+    if base is not None and not line.descends_from(h.step, base, newest or 0):
+        return None
+    return (h.step, line.writer or "")
 
 
 def _storage_lineage(root: Path, newest: int | None, dist: Dist, run_id: str | None

@@ -16,6 +16,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def node_memory_root() -> Path:
+    """Where node-local snapshots live: /dev/shm (tmpfs: they outlive processes, not the
+    node), or $MOC_SHM_ROOT. What a node's loss wipes."""
+    return Path(os.environ.get("MOC_SHM_ROOT", "/dev/shm"))
 
 
 @dataclass(frozen=True)

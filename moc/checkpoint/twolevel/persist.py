@@ -49,15 +49,13 @@ from queue import Empty, Queue
 from moc.checkpoint import codec
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.store.backend import ObjectPath, open_root
+from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import DirectWriter, write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest, read_manifest
 from moc.checkpoint.store.steps import (
-    begin_step,
-    commit_step,
     rank_file,
-    tmp_dir,
 )
+from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.store.tidy import tidy
 from moc.checkpoint.twolevel.commit import (
     Abandoned,
@@ -144,9 +142,9 @@ class PersistClient:
     0's thread that holds the engine's plan lock, `reconnect` to a plan.
     """
 
-    def __init__(self, job: str, root: Path | ObjectPath, rank: int,
+    def __init__(self, job: str, storage: Storage, rank: int,
                  generation: int | None = None, leader: bool | None = None) -> None:
-        self.job, self.root, self.rank = job, open_root(root), rank
+        self.job, self.storage, self.rank = job, storage, rank
         self.leader = rank == 0 if leader is None else leader
         """Whether this rank runs its node's persist process (its local rank 0)."""
         self.jdir = secure_job_dir(job)
@@ -183,7 +181,7 @@ class PersistClient:
             subprocess.Popen,
             [sys.executable, "-c", "import sys; from moc.checkpoint.twolevel.persist "
              "import serve; serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
-             self.job, str(self.root), str(os.getpid())], stdin=subprocess.PIPE).result()
+             self.job, self.storage.name, str(os.getpid())], stdin=subprocess.PIPE).result()
         self.process = process
         try:
             assert process.stdin is not None
@@ -344,6 +342,9 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
     if secret is None:
         secret = bytes.fromhex(sys.stdin.readline().strip())
     lower_process_priority()  # training first; persisting only bounds checkpoint frequency
+    # The one place this process normalises the directory: a URL becomes its own client,
+    # from its own environment.
+    storage = open_storage(root)
     jdir = secure_job_dir(job)
     path = socket_path(jdir)
     if os.path.lexists(path):
@@ -415,12 +416,11 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 ready.pop(req.step, None)
                 result = Done(req.step, False, failed.pop(req.step))
                 if req.node != 0:  # node 0's process waits for this node's part
-                    _give_up(open_root(root), req, result.error or "failed",
+                    _give_up(storage, req, result.error or "failed",
                              lambda step=req.step: step in abandoned or not _alive(parent_pid))
             elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
                 req = pending.pop(0)
-                # A URL becomes this process's own client, from its own environment.
-                result = _run(job, open_root(root), req, ready.pop(req.step), parent_pid,
+                result = _run(job, storage, req, ready.pop(req.step), parent_pid,
                               lambda step=req.step: step in abandoned, cache)
             else:
                 continue
@@ -449,7 +449,7 @@ def _alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid: int,
+def _run(job: str, storage: Storage, req: Persist, ready: dict[int, Ready], parent_pid: int,
          abandoned: Callable[[], bool] = lambda: False,
          cache: PersistCache | None = None) -> Done:
     """Persist one step; its result, failures included. On a node other than 0 a
@@ -469,8 +469,8 @@ def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid
     phases = Phases()
     try:
         if req.tidy is not None:
-            tidy(root, req.tidy)
-        sizes, manifest = _persist(job, root, req, ready, cancelled, phases, cache)
+            tidy(storage.root, req.tidy)
+        sizes, manifest = _persist(job, storage, req, ready, cancelled, phases, cache)
         return Done(req.step, True, None, time.perf_counter() - t0, sizes, phases.to_dict(),
                     manifest)
     except Exception as e:
@@ -480,21 +480,21 @@ def _run(job: str, root: Path, req: Persist, ready: dict[int, Ready], parent_pid
             error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         if req.node != 0 and not isinstance(e, Abandoned):
             with contextlib.suppress(Exception):  # node 0 then gives up at its timeout
-                write_part(root, req.step, req.node, req.nonce, error=error,
+                write_part(storage, req.step, req.node, req.nonce, error=error,
                            keep_existing=True)
         return Done(req.step, False, error, time.perf_counter() - t0)
 
 
-def _give_up(root: Path, req: Persist, error: str, cancelled: Callable[[], bool]) -> None:
+def _give_up(storage: Storage, req: Persist, error: str, cancelled: Callable[[], bool]) -> None:
     """Node j > 0, when one of its ranks' snapshots failed: tell node 0, which waits for
     this node's part, with a failed part, once node 0 has begun the step (a part written
     before would be discarded with the directory)."""
     with contextlib.suppress(Exception):  # else node 0 gives up at its timeout
-        wait_begun(root, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
-        write_part(root, req.step, req.node, req.nonce, error=error, keep_existing=True)
+        wait_begun(storage, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+        write_part(storage, req.step, req.node, req.nonce, error=error, keep_existing=True)
 
 
-def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
+def _persist(job: str, storage: Storage, req: Persist, ready: dict[int, Ready],
              cancelled: Callable[[], bool], phases: Phases, cache: PersistCache
              ) -> tuple[list[int], str | None]:
     """Write one step's files of this node's ranks; on node 0 also wait for the other
@@ -507,19 +507,20 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
     if req.node == 0:
         # Read before the step is begun: on an object store beginning a step deletes its
         # objects, and the final save of close() chains from that very step's manifest.
-        prev = cache.manifest(root, req.prev_step) if req.prev_step is not None else None
-        begin_step(root, req.step)
+        prev = (cache.manifest(storage.root, req.prev_step) if req.prev_step is not None
+                else None)
+        storage.begin(req.step)
         if others:
-            write_begin(root, req.step, req.nonce)
+            write_begin(storage, req.step, req.nonce)
     else:
-        wait_begun(root, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
-    entries, files, held, sizes = _write_files(job, root, req, ready, phases, cache)
+        wait_begun(storage, req.step, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+    entries, files, held, sizes = _write_files(job, storage, req, ready, phases, cache)
     if req.node != 0:
-        write_part(root, req.step, req.node, req.nonce, entries=entries, files=files,
+        write_part(storage, req.step, req.node, req.nonce, entries=entries, files=files,
                    held=sorted(held), bytes_per_rank=sizes)
         return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], None
     with phases("parts"):
-        parts = gather_parts(root, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled)
+        parts = gather_parts(storage, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled)
     for part in parts:
         entries.update(part.entries)
         files.update(part.files)
@@ -528,17 +529,17 @@ def _persist(job: str, root: Path, req: Persist, ready: dict[int, Ready],
     if cancelled():
         raise RuntimeError("the job is gone; step left uncommitted")
     with phases("commit"):
-        text = _commit(root, req, entries, held, files, others, cache, prev)
+        text = _commit(storage, req, entries, held, files, others, cache, prev)
     return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], text
 
 
-def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
+def _commit(storage: Storage, req: Persist, entries: dict[str, Entry], held: set[str],
             files: dict[str, int], others: range, cache: PersistCache,
             prev: Manifest | None) -> str:
     """Node 0: the step's manifest, from this step's entries and the previous step's
     (`prev`, the manifest of `req.prev_step`) for the keys not written now; its JSON,
     as committed."""
-    clear_records(root, req.step, others)
+    clear_records(storage, req.step, others)
     assert req.template is not None  # node 0's request carries it
     # The state is what the ranks hold now: keys of ranks that no longer exist drop out.
     all_entries = {k: e for k, e in (prev.entries if prev else {}).items() if k in held}
@@ -550,9 +551,9 @@ def _commit(root: Path, req: Persist, entries: dict[str, Entry], held: set[str],
     manifest = Manifest(entries=all_entries, files=files, **req.template)
     text = manifest.to_json()
     try:
-        commit_step(root, req.step, text)
+        storage.commit(req.step, text)
     except OSError as e:
-        raise _storage_error(e, f"could not commit step {req.step} in {root} (a manifest "
+        raise _storage_error(e, f"could not commit step {req.step} in {storage} (a manifest "
                                 f"of {len(text.encode())} bytes)") from None
     cache.committed(manifest, text)
     return text
@@ -583,7 +584,7 @@ class PersistCache:
         return Manifest.decode(raw, path, step)
 
 
-def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready], phases: Phases,
+def _write_files(job: str, storage: Storage, req: Persist, ready: dict[int, Ready], phases: Phases,
                  cache: PersistCache
                  ) -> tuple[dict[str, Entry], dict[str, int], set[str], dict[int, int]]:
     """Write the file of each of this node's ranks straight from its snapshot slot
@@ -607,7 +608,7 @@ def _write_files(job: str, root: Path, req: Persist, ready: dict[int, Ready], ph
                                    f"slot {snap.slot}")
             chosen = store.read(snap.slot, header, verify=False, keys=list(snap.write))
         name = rank_file(rank)
-        path = tmp_dir(root, req.step) / name
+        path = storage.tmp_dir(req.step) / name
         try:
             records = write_safetensors(path, chosen, phases=phases, direct=cache.direct,
                                         crcs={k: header.entries[k].crc for k in snap.write})

@@ -47,8 +47,9 @@ import torch
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId, boot_id, pid_namespace
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.store.backend import ObjectPath, is_url
 from moc.checkpoint.store.format import CHECKSUM, Digest, digest, tensor_bytes
+from moc.checkpoint.store.storage import Storage, open_storage
+from moc.checkpoint.twolevel.nodes import node_memory_root
 
 try:  # the one compiled part of moc, optional (setup.py): where it is missing, numpy copies
     from moc.checkpoint.twolevel import streamcopy
@@ -56,10 +57,7 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     streamcopy = None
 
 
-def shm_root() -> Path:
-    """Where node-local snapshots live: /dev/shm (tmpfs: they outlive processes, not the
-    node), or $MOC_SHM_ROOT."""
-    return Path(os.environ.get("MOC_SHM_ROOT", "/dev/shm"))
+shm_root = node_memory_root
 
 N_SLOTS = 3
 """Snapshot, persist and recovery roles rotate over three slots (the paper's triple
@@ -149,12 +147,10 @@ def write_private(path: Path, data: str | bytes) -> None:
         raise
 
 
-def default_job_id(ckpt_dir: str | Path) -> str:
+def default_job_id(ckpt_dir: str | Path | Storage) -> str:
     """Stable across torchrun restarts of the same run: derived from the checkpoint dir
-    (its URL, for an object store)."""
-    name = str(ckpt_dir) if is_url(str(ckpt_dir)) or isinstance(ckpt_dir, ObjectPath) else (
-        str(Path(ckpt_dir).resolve()))
-    return hashlib.sha1(name.encode()).hexdigest()[:12]
+    (its absolute path; its URL, for an object store)."""
+    return hashlib.sha1(open_storage(ckpt_dir).name.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ thread, the replica group and its stores are behind this object.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
@@ -21,12 +22,15 @@ import torch.distributed as tdist
 
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.replica import ReplicaChannel
 from moc.checkpoint.twolevel.replication import Replication
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore, job_dir, remove_job
 from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
+
+log = logging.getLogger(__name__)
 
 
 class Snapshotter:
@@ -101,3 +105,23 @@ class Snapshotter:
             self.store.release()
             if self.replication is not None:
                 self.replication.release()
+
+
+def remove_unless_needed(job: str, newest: int | None, storage: Storage,
+                         persist_alive: bool) -> None:
+    """A node's leader, at close: remove the job's shared memory unless its newest
+    snapshot (`newest`) is newer than the newest complete step on storage, or the
+    persist process was lost (then a restart of the job resumes from it; the next job
+    start removes it once its owner is gone)."""
+    try:
+        durable = storage.steps()
+    except OSError as e:  # a store that cannot be listed proves nothing: keep them
+        log.warning("kept the snapshots in %s: the checkpoint directory %s cannot be "
+                    "listed (%s)", job_dir(job), storage, e)
+        return
+    if newest is not None and (not durable or newest > durable[-1] or not persist_alive):
+        log.warning("kept the snapshot of step %d in %s: it is newer than the newest "
+                    "checkpoint on storage (%s)", newest, job_dir(job),
+                    f"step {durable[-1]}" if durable else "none")
+        return
+    remove_job(job)

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from moc.checkpoint.store.manifest import Entry
-from moc.checkpoint.store.steps import begin_step, tmp_dir
+from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.twolevel.commit import (
     BEGIN,
     Abandoned,
@@ -71,10 +71,10 @@ def _entry(step: int, name: str) -> Entry:
 
 
 def test_node_0_gathers_every_part_of_this_job_and_clears_the_records(tmp_path):
-    root = tmp_path / "ckpt"
-    begin_step(root, 5)
+    root = open_storage(tmp_path / "ckpt")
+    root.begin(5)
     write_begin(root, 5, "job-a")
-    assert wait_begun(root, 5, "job-a", 1.0, lambda: False) == tmp_dir(root, 5)
+    wait_begun(root, 5, "job-a", 1.0, lambda: False)  # begun: returns at once
     # A part of an earlier job (another nonce) in the same directory is not this job's.
     write_part(root, 5, 1, "job-old", entries={"k": _entry(1, "rank-00002.safetensors")})
     with pytest.raises(RuntimeError, match=r"waited 0 s for the parts of nodes \[1\]"):
@@ -87,33 +87,33 @@ def test_node_0_gathers_every_part_of_this_job_and_clears_the_records(tmp_path):
     assert part.files == {"rank-00002.safetensors": 100}
     assert part.held == ["k", "j"] and part.bytes_per_rank == {2: 100, 3: 0}
     clear_records(root, 5, range(1, 2))
-    assert not (tmp_dir(root, 5) / BEGIN).exists()
-    assert not (tmp_dir(root, 5) / part_name(1)).exists()
+    assert not (root.tmp_dir(5) / BEGIN).exists()
+    assert not (root.tmp_dir(5) / part_name(1)).exists()
 
 
 def test_a_failed_part_ends_node_0s_wait_with_that_nodes_error(tmp_path):
-    root = tmp_path / "ckpt"
-    begin_step(root, 7)
+    root = open_storage(tmp_path / "ckpt")
+    root.begin(7)
     write_part(root, 7, 2, "n", error="OSError: disk full")
     with pytest.raises(RuntimeError, match="node 2's persist of step 7 failed: OSError"):
         gather_parts(root, 7, range(1, 3), "n", 5.0, lambda: False)
 
 
 def test_a_leader_never_overwrites_a_part_its_dead_process_had_written(tmp_path):
-    root = tmp_path / "ckpt"
-    begin_step(root, 3)
+    root = open_storage(tmp_path / "ckpt")
+    root.begin(3)
     write_part(root, 3, 1, "n", entries={"k": _entry(3, "f")})
     write_part(root, 3, 1, "n", error="the persist process exited", keep_existing=True)
     (part,) = gather_parts(root, 3, range(1, 2), "n", 1.0, lambda: False)
     assert part.error is None and "k" in part.entries
     # Node 0 never began step 4: nobody waits for its part, and none is written.
     write_part(root, 4, 1, "n", error="gone", keep_existing=True)
-    assert not tmp_dir(root, 4).exists()
+    assert not root.tmp_dir(4).exists()
 
 
 def test_waits_end_when_the_persist_is_abandoned(tmp_path):
-    root = tmp_path / "ckpt"
-    begin_step(root, 9)
+    root = open_storage(tmp_path / "ckpt")
+    root.begin(9)
     abandoned = threading.Event()
     threading.Timer(0.1, abandoned.set).start()
     # Abandoned, not the RuntimeError of the 60 s timeout.

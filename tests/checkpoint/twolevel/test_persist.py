@@ -16,6 +16,7 @@ import torch
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
+from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.tools import verify_checkpoints
 from moc.checkpoint.twolevel.persist import (
     PersistClient,
@@ -33,8 +34,8 @@ JOB = "persist-test"
 @pytest.fixture
 def clients(tmp_path):
     claim_job(JOB)
-    rank0 = PersistClient(JOB, tmp_path / "ckpt", 0)  # starts the persist process
-    rank1 = PersistClient(JOB, tmp_path / "ckpt", 1)
+    rank0 = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)  # starts the process
+    rank1 = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 1)
     yield rank0, rank1
     rank1.stop()
     rank0.stop()
@@ -108,7 +109,7 @@ def test_a_dead_persist_process_is_reported_gone_not_waited_for(clients):
 
 def test_the_process_stops_when_asked_and_leaves_the_job_dir_to_its_owner(tmp_path):
     claim_job(JOB)
-    client = PersistClient(JOB, tmp_path / "ckpt", 0)
+    client = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
     client.stop()
     assert client.process.returncode == 0
     assert read_owner(job_dir(JOB)).pid == os.getpid()
@@ -147,7 +148,7 @@ def test_the_secret_is_new_for_each_process_and_only_this_users(tmp_path):
     claim_job(JOB)
     secrets = []
     for _ in range(2):
-        client = PersistClient(JOB, tmp_path / "ckpt", 0)
+        client = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
         secrets.append(read_secret(job_dir(JOB), None))
         assert stat.S_IMODE(secret_path(job_dir(JOB)).stat().st_mode) == 0o600
         client.stop()
@@ -169,7 +170,7 @@ def test_a_persist_process_dead_at_start_is_one_clear_error(tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", _broken_torch(tmp_path, "raise SystemExit(3)"))
     with pytest.raises(CheckpointError, match=r"persist process exited with code 3 before "
                                               r"it listened on .*persist.sock"):
-        PersistClient(JOB, tmp_path / "ckpt", 0)
+        PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
 
 
 def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, monkeypatch):
@@ -180,7 +181,7 @@ def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, mon
                   "time.sleep(600)\n"))
     monkeypatch.setattr("moc.checkpoint.twolevel.persist.CONNECT_TIMEOUT_S", 2.0)
     with pytest.raises(CheckpointError, match=r"no persist process answered on .* within 2 s"):
-        PersistClient(JOB, tmp_path / "ckpt", 0)
+        PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pidfile.read_text()), 0)  # killed and reaped
 
@@ -200,8 +201,8 @@ def test_a_full_disk_names_the_file_and_the_bytes(tmp_path):
         (fs / "ckpt").mkdir()
         fill(fs)
         cache = persist.PersistCache()
-        done = persist._run(JOB, fs / "ckpt", Persist(5, None, template, 1), ready,
-                            os.getppid(), cache=cache)
+        done = persist._run(JOB, open_storage(fs / "ckpt"), Persist(5, None, template, 1),
+                            ready, os.getppid(), cache=cache)
         assert not done.ok
         assert done.error == (
             f"OSError: [Errno 28] could not write {fs}/ckpt/step-00000005.tmp/"
@@ -210,8 +211,8 @@ def test_a_full_disk_names_the_file_and_the_bytes(tmp_path):
             "--keep-last); the next checkpoint retries")
         assert cache.direct.supported
         (fs / "filler").unlink()  # space again: the same process persists the step
-        done = persist._run(JOB, fs / "ckpt", Persist(5, None, template, 1), ready,
-                            os.getppid(), cache=cache)
+        done = persist._run(JOB, open_storage(fs / "ckpt"), Persist(5, None, template, 1),
+                            ready, os.getppid(), cache=cache)
         assert done.ok, done.error
         assert verify_checkpoints(fs / "ckpt").ok
 
