@@ -123,7 +123,7 @@ class CheckpointResult:
         return sum(len(e) for e in self.experts_saved)
 
     def event(self) -> dict[str, Any]:
-        """The checkpoint event of `moc train --metrics` (README, "Metrics events")."""
+        """The checkpoint event of `moc train --metrics` (docs/guide/train.md, "Metrics events")."""
         return {"step": self.step, "stall_s": self.stall_s, "bytes": self.bytes,
                 "bytes_per_rank": list(self.bytes_per_rank), "imbalance": self.imbalance,
                 "mode": self.mode, "k": self.k, "experts_saved": self.n_experts_saved,

@@ -103,7 +103,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
     Choose it for runs across nodes, for the simplest failure story (what `save`
     returned is on storage), or when a checkpoint every `interval` steps costs little
     next to the step. `moc.TwoLevelCheckpointer` hides the write behind training instead
-    (one node in this release). The loop:
+    (on one node or many). The loop:
 
         ckpt = moc.Checkpointer(model, optimizer, "ckpt/", policy=moc.PECPolicy(k=1))
         report = ckpt.restore(); start = report.step if report else 0

@@ -99,8 +99,9 @@ def expert_ages(manifest: Manifest) -> dict[str, Any]:
     m is the manifest's step minus the smallest `entry.step` over g's `param/` keys of
     the stems of layer m, since a restore brings every one of them back and loses the
     updates since the oldest. This is the definition the checkpointer itself uses for
-    staleness (Checkpointer._newest_copies): it follows the optimizer keys instead when
-    only the optimizer state is partial (policy apply_to "optimizer"), and so does this;
+    staleness (`ChainState.saved_at`, from each entry's step): it follows the optimizer
+    keys instead when only the optimizer state is partial (policy apply_to "optimizer"),
+    and so does this;
     an expert with no keys of that kind falls back to the other kind.
 
     Without the manifest's `experts` field (stem -> MoE layer) stems cannot be grouped

@@ -10,7 +10,8 @@ if _out:
     _f = open(f"{_out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
 
     def _profile(frame, event, arg):
-        if event != "call" or frame.f_code.co_name == "<module>":
+        # Calls of functions only: a module or class body (no CO_NEWLOCALS) runs at import.
+        if event != "call" or not frame.f_code.co_flags & 0x2:
             return
         name = frame.f_globals.get("__name__") or ""
         if not name.startswith("moc."):

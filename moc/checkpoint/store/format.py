@@ -3,8 +3,8 @@ that covers its dtype, shape and bytes.
 
 Files are written by `write_safetensors` rather than `safetensors.torch.save_file`: it
 streams each tensor's bytes straight from memory (views into one storage are fine, no
-copy), computes the CRC32 of each tensor on the way, and fsyncs. The result is a
-standard safetensors file (the tests load them with the safetensors library).
+copy), computes the checksum of each tensor on the way (XXH3, below), and fsyncs. The
+result is a standard safetensors file (the tests load them with the safetensors library).
 
 Reading is `TensorReader`'s, not the safetensors library's: a checkpoint directory is
 untrusted input, and the library maps the file and copies whatever range a header

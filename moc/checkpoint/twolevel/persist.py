@@ -22,9 +22,9 @@ Who may talk to it: only holders of its secret (the HMAC challenge of
 that fails the challenge, or sends a frame that is not a protocol message, is dropped
 and the process goes on serving the others.
 
-This release runs one node: the persist process is the commit coordinator, since it sees
-every rank's snapshot. (Across nodes, per-node processes would report to a coordinator
-through the job's TCPStore.)
+Each node runs one, started by its leader (local rank 0) for the node's ranks; node 0's
+process commits the manifest once every node's part is on storage (`twolevel.commit`:
+records on the shared storage, no connection between the nodes' processes).
 """
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 if req.node != 0:  # node 0's process waits for this node's part
                     _give_up(storage, req, result.error or "failed",
                              lambda step=req.step: step in abandoned or not _alive(parent_pid))
-            elif pending and len(ready.get(pending[0].step, {})) == pending[0].world_size:
+            elif pending and len(ready.get(pending[0].step, {})) == pending[0].node_ranks:
                 req = pending.pop(0)
                 result = _run(job, storage, req, ready.pop(req.step), parent_pid,
                               lambda step=req.step: step in abandoned, cache)
@@ -518,7 +518,7 @@ def _persist(job: str, storage: Storage, req: Persist, ready: dict[int, Ready],
     if req.node != 0:
         write_part(storage, req.step, req.node, req.nonce, entries=entries, files=files,
                    held=sorted(held), bytes_per_rank=sizes)
-        return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], None
+        return [sizes.get(r, 0) for r in range(req.global_world or req.node_ranks)], None
     with phases("parts"):
         parts = gather_parts(storage, req.step, others, req.nonce, PERSIST_TIMEOUT_S, cancelled)
     for part in parts:
@@ -530,7 +530,7 @@ def _persist(job: str, storage: Storage, req: Persist, ready: dict[int, Ready],
         raise RuntimeError("the job is gone; step left uncommitted")
     with phases("commit"):
         text = _commit(storage, req, entries, held, files, others, cache, prev)
-    return [sizes.get(r, 0) for r in range(req.global_world or req.world_size)], text
+    return [sizes.get(r, 0) for r in range(req.global_world or req.node_ranks)], text
 
 
 def _commit(storage: Storage, req: Persist, entries: dict[str, Entry], held: set[str],

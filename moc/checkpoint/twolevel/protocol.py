@@ -21,7 +21,7 @@ older one cannot speak to the new one.
                                                       and holds the keys `held`
     rank r -> persist    Failed(rank, step, error)    its snapshot of `step` failed: the
                                                       persist of `step` must not wait for it
-    leader -> persist    Persist(step, prev_step, template, world_size, node, n_nodes,
+    leader -> persist    Persist(step, prev_step, template, node_ranks, node, n_nodes,
                                  nonce, global_world, tidy)
                                                       persist `step` once every rank of the
                                                       node is Ready; node 0's process also
@@ -109,7 +109,7 @@ class Persist:
     template: dict[str, Any] | None
     """The manifest's fields except entries and files (JSON-ready); None on a node other
     than 0 (only node 0's process commits)."""
-    world_size: int
+    node_ranks: int
     """The ranks of this node: the persist waits for a Ready from each."""
     node: int = 0
     n_nodes: int = 1
@@ -117,7 +117,7 @@ class Persist:
     """The job's, shared by rank 0 at start: marks this job's records on storage
     (`twolevel.commit`)."""
     global_world: int = 0
-    """Ranks of the whole job (0: `world_size`), for Done's bytes_per_rank."""
+    """Ranks of the whole job (0: `node_ranks`), for Done's bytes_per_rank."""
     tidy: dict[int, str] | None = None
     """Node 0, the first request after the engine started or restored: the clean-up the
     read path left for the write path (`store.tidy`: corrupt steps to set aside, by step,

@@ -61,7 +61,7 @@ def test_a_step_is_committed_once_every_rank_reported_its_snapshot(clients, tmp_
         state = _snapshot(rank, 5, 0)
         write = [k for k in state if k != "param/dense" or rank == 0]  # dense: rank 0
         client.send(Ready(rank, 5, 0, write, list(state)))  # before the request: kept
-    rank0.send(Persist(5, None, _template(5), world_size=2))
+    rank0.send(Persist(5, None, _template(5), node_ranks=2))
     (done,) = rank0.receive(5, block=True)
     assert done.ok and done.error is None and len(done.bytes_per_rank) == 2
     assert all(b > 0 for b in done.bytes_per_rank)
@@ -77,7 +77,7 @@ def test_a_failed_snapshot_ends_its_persist_and_the_next_one_chains_on(clients, 
     root = tmp_path / "ckpt"
     done = {}
     for step, slot in ((5, 0), (6, 1), (7, 2)):
-        rank0.send(Persist(step, None if step == 5 else 5, _template(step), world_size=2))
+        rank0.send(Persist(step, None if step == 5 else 5, _template(step), node_ranks=2))
         state0 = _snapshot(0, step, slot)
         rank0.send(Ready(0, step, slot, list(state0), list(state0)))
         if step == 6:  # rank 1's copy of step 6 failed: never wait for it
@@ -99,7 +99,7 @@ def test_a_failed_snapshot_ends_its_persist_and_the_next_one_chains_on(clients, 
 
 def test_a_dead_persist_process_is_reported_gone_not_waited_for(clients):
     rank0, _ = clients
-    rank0.send(Persist(5, None, _template(5), world_size=2))
+    rank0.send(Persist(5, None, _template(5), node_ranks=2))
     os.kill(rank0.process.pid, signal.SIGKILL)
     rank0.process.wait()
     (done,) = rank0.receive(5, block=True)
@@ -229,7 +229,7 @@ def test_a_manifest_changed_between_persists_is_read_again_not_reused(clients, t
     def persist(step: int, prev: int | None, rank1_writes: list[str]) -> None:
         template = _template(step)
         template["extra"]["note"] = "x" * 16  # room to keep a rewrite at the same length
-        rank0.send(Persist(step, prev, template, world_size=2))
+        rank0.send(Persist(step, prev, template, node_ranks=2))
         state0 = _snapshot(0, step, step % 3)
         rank0.send(Ready(0, step, step % 3, list(state0), list(state0)))
         state1 = _snapshot(1, step, step % 3)
