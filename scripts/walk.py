@@ -97,7 +97,9 @@ def main() -> None:
                 current = "other"
             seq[current][thread].append(line)
         persist = sorted(per_pid)[1]  # the first engine's persist process (the save's)
-        seq["save"]["persist process"].extend(per_pid[persist])
+        lines = per_pid[persist]  # from its entry point: what it runs, not what it imports
+        start = next(i for i, line in enumerate(lines) if line.split("\t")[2] == "serve")
+        seq["save"]["persist process"].extend(lines[start:])
         for phase in PHASES:
             results[phase] = {thread: walk(lines) for thread, lines in seq[phase].items()}
         print(json.dumps(results, indent=1))
