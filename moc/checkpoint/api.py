@@ -17,9 +17,13 @@
 
 moc's engines (`moc.Checkpointer`, `moc.TwoLevelCheckpointer`) count routed tokens
 themselves: `ckpt.watch_routing(model)` once, before the loop, hooks the model's routers
-(`moc.checkpoint.routing`). The contract's own call is `record_routing(counts)`, once a
-step after `optimizer.step()`: what a loop calls instead of `watch_routing` (a router
-that cannot be hooked, or a baseline engine, which has no `watch_routing`).
+(`moc.checkpoint.routing`); an engine that saves every expert (the DCP baseline) counts
+nothing and returns None. `record_routing(counts)`, once a step after
+`optimizer.step()`, is what a loop calls instead when a router cannot be hooked.
+
+Three more calls serve fault drills and have do-nothing defaults: `wait_for_replicas()`,
+`background_pids()` and `drop_node_memory()`. A trainer needs nothing else: `moc train`
+holds a `CheckpointEngine` and never asks which one.
 
 A failed checkpoint is logged and training goes on from the previous one; `max_failures`
 (default 3) failed checkpoints in a row, or a failed final one, raise on the caller's

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import CheckpointFailedError, FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
@@ -126,7 +128,15 @@ class EngineState:
         chosen, self.chosen = self.chosen, None
         return chosen
 
-    # -- the chain -------------------------------------------------------------------------
+    # -- the chain and the ledger ----------------------------------------------------------
+
+    def counted(self, summed: torch.Tensor) -> None:
+        """Every rank's routed tokens since the last checkpoint, summed by the exchange."""
+        self.ledger.add_synced(summed)
+
+    def warn_if_untracked(self, step: int, rank: int) -> None:
+        """A partial checkpoint with no routing recorded: PLT would be unknown."""
+        self.ledger.warn_if_untracked(step, rank)
 
     def committed(self, manifest: Manifest) -> None:
         """The chain continues from `manifest`, just committed (or restored). Rank 0's

@@ -117,7 +117,7 @@ class SnapshotPlanner:
         books.chose(choice)
         books.fail(error)
         if counts is not None:
-            books.ledger.add_synced(summed[:n])
+            books.counted(summed[:n])
         n_broken = int(summed[n + 1])
         if n_broken and self.replicas is not None:
             self.replicas.mark_broken(f"on {n_broken} rank(s) of {self.groups.world_size}")
@@ -171,7 +171,7 @@ class SnapshotPlanner:
             raise ValueError(f"step {step} was not checkpointed: its save arguments were "
                              f"rejected on {n_rejected} of {g.world_size} rank(s)"
                              + (f"; here: {rejected}" if rejected else ""))
-        books.ledger.warn_if_untracked(step, g.rank)
+        books.warn_if_untracked(step, g.rank)
         # Without a persist process (it died), training goes on with snapshots only:
         # each checkpoint is reported as not persisted, and memory still recovers crashes.
         persist_now = books.in_flight is None and books.persist_alive
