@@ -486,9 +486,14 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         failures = []
         try:
             self.flush()
-            why = self.planner.persist_newest(self.snapshots.store)
+            why, step, persisted = self.planner.persist_newest(self.snapshots.store)
             if why is not None and p.groups.rank == 0:
                 log.warning("the newest checkpoint on storage is not complete: %s", why)
+            rec = self._in_flight.get(step) if step is not None else None
+            if rec is not None and rec.outcome is not None:
+                # Persisted again (its own persist failed or was skipped): its result
+                # reports this persist, the one that decides what storage holds of it.
+                rec.outcome = dataclasses.replace(rec.outcome, persist=persisted)
             # A retention error learned in that flush has no later plan to share it.
             failures = p.dist.agree(self.books.take_unshared())
         finally:

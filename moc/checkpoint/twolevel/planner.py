@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -206,12 +207,14 @@ class SnapshotPlanner:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def persist_newest(self, store: SnapshotStore) -> str | None:
+    def persist_newest(self, store: SnapshotStore) -> tuple[str | None, int | None,
+                                                            Future[Done] | None]:
         """`close()`: make the newest snapshot a complete checkpoint on storage, unless
         storage already holds it complete (a `final` save): a finished run's checkpoint
         must not hold experts many steps older than its step. On the caller's thread,
-        after `flush` (no plan runs); collective. Why it could not, when it could not
-        (a partial snapshot, no persist process); its failure is fatal."""
+        after `flush` (no plan runs); collective. (why it could not, when it could not:
+        a partial snapshot, no persist process; the step it persisted and the future of
+        that persist's outcome, when it did). Its failure is fatal."""
         g, books = self.groups, self.books
         chain, slot = books.chain, books.newest_slot
         header = store.headers().get(slot) if slot is not None else None
@@ -219,19 +222,19 @@ class SnapshotPlanner:
         mine = None if header is None else [header.step, set(state) <= set(header.entries)]
         views = self.dist.all_gather(mine)
         if all(v is None for v in views):
-            return None  # no snapshot since start or restore: nothing newer than storage
+            return None, None, None  # no snapshot since start or restore
         if any(v is None for v in views) or any(v[0] != views[0][0] for v in views):
-            return "no snapshot of the same step on every rank"
+            return "no snapshot of the same step on every rank", None, None
         step = views[0][0]
         m = chain.manifest
         if m is not None and (m.step > step or (
                 m.step == step and bool((chain.saved_at >= step).all()))):
-            return None  # already complete on storage
+            return None, None, None  # already complete on storage
         if not all(v[1] for v in views):
             return (f"the newest snapshot (step {step}) is partial (K_snapshot < N); pass "
-                    "final=True to the last save for a complete checkpoint")
+                    "final=True to the last save for a complete checkpoint", None, None)
         if not books.persist_alive:
-            return PERSIST_GONE
+            return PERSIST_GONE, None, None
         assert header is not None and slot is not None
         write = rank_share(self.state, g.layout, state, lambda key: True)
         books.mark_final(step)
@@ -246,7 +249,8 @@ class SnapshotPlanner:
                                   written=chain.all_experts(), ledger=ledger,
                                   run={"id": cfg.run_id, "line": header.meta.get("line", [])})
 
-        self.persist.execute(PersistRequest(step, m.step if m is not None else None, template))
+        future = self.persist.execute(PersistRequest(step, m.step if m is not None else None,
+                                                     template))
         self.persist.ready(g.rank, step, slot, write, list(header.entries))
         self.share(block=True)
-        return None
+        return None, step, future
