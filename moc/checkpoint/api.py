@@ -166,8 +166,8 @@ class RecoveryReport:
     skipped: list[str] = field(default_factory=list)
     """Newer steps found corrupt and skipped, with the reason."""
     sources: dict[str, list[int]] = field(default_factory=dict)
-    """Two-level: the ranks that restored from each source ("memory", "peer",
-    "storage"); empty for the other engines (every rank: `source`)."""
+    """The ranks that restored from each source ("memory", "peer", "storage"; a restore
+    from storage: every rank under "storage"); empty for the baselines."""
 
 
 def checked_save(step: object, extra_state: object) -> dict[str, Any]:

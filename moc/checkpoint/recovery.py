@@ -368,4 +368,4 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
     ledger.all_saved()
     return RecoveryReport(result.step, manifest.extra, "storage", result.recovery_s,
                           plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k, plt.k_before,
-                          result.skipped)
+                          result.skipped, sources={"storage": list(range(dist.world_size))})

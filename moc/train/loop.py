@@ -201,8 +201,7 @@ class Trainer:
         """The job's attempt (0 first), the same on every rank of every node."""
         self.checkpointer = self.make_checkpointer()
         # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
-        self.routing = (self.checkpointer.watch_routing(self.model)
-                        if self.checkpointer is not None else None)
+        self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
         self.step = 0
 
     def _agree_on_placement(self) -> int:

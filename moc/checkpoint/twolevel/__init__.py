@@ -3,6 +3,7 @@ on one node or many (each snapshot also replicated to a peer node's memory).
 
     checkpointer     `TwoLevelCheckpointer`: composes the parts below, and nothing else
     reader           its model-only form (`optimizer=None`): a reader of storage
+    results          the caller's records of the checkpoints in flight, until final
     engine_state     `EngineState`: the one owner of chain, ledger, slot roles, failures
     planner          the plans' exchange (every failure agreed there) and their application
     snapshot_plan    what one checkpoint copies and persists: a pure function

@@ -61,13 +61,10 @@ storage (`twolevel.reader.StorageReader`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +83,6 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES
 from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.parts import EngineParts
-from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
@@ -96,10 +92,9 @@ from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor
 from moc.checkpoint.twolevel.memory_restore import MemoryQuery, restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.planner import PlanConfig, PlanOutcome, SnapshotPlanner
-from moc.checkpoint.twolevel.protocol import Done
+from moc.checkpoint.twolevel.planner import PlanConfig, SnapshotPlanner
 from moc.checkpoint.twolevel.reader import StorageReader
-from moc.checkpoint.twolevel.replica import ReplicaReport
+from moc.checkpoint.twolevel.results import Checkpoints
 from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
 from moc.checkpoint.twolevel.slots import default_job_id, job_dir, remove_job
 from moc.checkpoint.twolevel.snapshotter import Snapshotter, remove_unless_needed
@@ -108,61 +103,6 @@ from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A checkpoint whose result is not final yet, filled in by the caller's thread."""
-
-    step: int
-    save_s: float
-    wait_s: float = 0.0
-    snapshot_s: float | None = None
-    outcome: PlanOutcome | None = None
-    replica: Future | None = None
-    """This rank's replication round (across nodes), on the snapshot thread."""
-    snapshot_phases: Phases | None = None
-    copy_Bps: float | None = None
-
-    @property
-    def done(self) -> Done | None:
-        """The outcome of its persist, once this rank knows it."""
-        persist = self.outcome.persist if self.outcome is not None else None
-        return persist.result() if persist is not None and persist.done() else None
-
-    def final(self, rank: int) -> bool:
-        """Its snapshot is taken, its replica round (if any) is over, and (rank 0, which
-        hears of persists) its persist has finished or was skipped."""
-        if self.snapshot_s is None or self.outcome is None:
-            return False
-        if self.replica is not None and not self.replica.done():
-            return False
-        return rank != 0 or self.outcome.persist_skipped or self.done is not None
-
-    def result(self, mode: str) -> CheckpointResult:
-        o, d = self.outcome, self.done
-        assert o is not None
-        replica = None
-        if self.replica is not None:
-            try:
-                replica = self.replica.result()
-            except Exception as e:  # a peer lost mid-transfer: reported, never fatal
-                replica = ReplicaReport(None, 0, None, 0, 0.0, f"{type(e).__name__}: {e}")
-            if replica is not None and replica.error:
-                log.warning("replica of step %d: %s", self.step, replica.error)
-        return CheckpointResult(
-            self.step, mode, o.k, o.experts_saved, self.save_s, self.wait_s,
-            bytes_per_rank=list(d.bytes_per_rank or []) if d is not None else [],
-            error=(d.error if d is not None and not d.ok else None) or o.error,
-            snapshot_s=self.snapshot_s, persist_s=d.seconds if d is not None else None,
-            persist_skipped=o.persist_skipped, k_snapshot=o.k_snapshot,
-            k_snapshot_chosen=o.k_snapshot_chosen,
-            replica_bytes=replica.bytes_sent if replica is not None else None,
-            replica_s=replica.seconds if replica is not None else None,
-            replica_error=replica.error if replica is not None else None,
-            copy_Bps=self.copy_Bps,
-            phases={"snapshot": (self.snapshot_phases or Phases()).to_dict(),
-                    **({"persist": d.phases} if d is not None and d.phases else {})})
 
 
 def _wait_before_optimizer_steps(engine: weakref.ref[TwoLevelCheckpointer]
@@ -197,30 +137,27 @@ def _check_options(persist_policy: str) -> None:
 
 
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
-    """Two-level checkpointing: `save` returns at once; a snapshot thread copies the
-    state into node-local shared memory behind the next forward and backward, and a
-    persist process per node writes the partial (K_persist) share to storage; across
-    nodes each snapshot is also replicated to a peer node's memory. Implements
-    `moc.checkpoint.api.CheckpointEngine`.
+    """Two-level checkpointing, `moc.checkpoint.api.CheckpointEngine`: `save` returns at
+    once, a snapshot thread copies the state into node-local shared memory behind the next
+    forward and backward, a persist process per node writes the partial (K_persist) share
+    to storage, and across nodes each snapshot is replicated to a peer node's memory. How
+    a checkpoint and a recovery go: the module docstring.
 
-    Choose it when checkpoint stalls matter: training waits only in
-    `wait_for_snapshot()`, and a process crash recovers from memory, exactly (the
-    snapshot holds every expert by default). Across nodes a lost node recovers from the
-    replica its peer node keeps, exactly too; only when a node and its peer are both
-    lost does it fall back to storage, losing the tokens PLT reports. The loop is the
-    contract's (`moc.checkpoint.api`).
+    Choose it when checkpoint stalls matter: training waits only in `wait_for_snapshot()`,
+    and a crashed process (or, across nodes, a lost node) recovers exactly from memory;
+    only when a node and its peer are both lost does it fall back to storage, losing the
+    tokens PLT reports.
 
     Takes `moc.Checkpointer`'s arguments, plus `job` (the shared-memory job id; default:
     derived from the directory, so torchrun restarts of a run find its snapshots),
     `persist_policy` ("skip" or "wait") and `k_snapshot` (int, "all" or "auto"); across
-    nodes also `k_replica` ("all", an int K, or 0 for no replicas), `replica_jump`
-    (node i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a
-    rank may send, None: unlimited). The checkpoint directory must then be storage
-    every node sees (a shared file system or an object store).
+    nodes also `k_replica` ("all", an int K, or 0 for no replicas), `replica_jump` (node
+    i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a rank may
+    send, None: unlimited); the directory must then be storage every node sees.
 
     With `optimizer=None` (model-only: restore for inference, never save) the
-    constructor returns a `twolevel.reader.StorageReader`: `moc.Checkpointer`'s
-    model-only engine, which leaves the training job's memory and persist process alone.
+    constructor returns a `twolevel.reader.StorageReader`, which leaves the training
+    job's memory and persist process alone.
     """
 
     def __new__(cls, model: nn.Module, optimizer: object, directory: str | Path,
@@ -280,10 +217,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             p.state, p.groups, p.dist, self.books, self.persist,
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
                        self.persist.nonce), replicas=self.snapshots.replicas)
-        self._hand_tidy()
+        self.persist.add_tidy(self.parts.tidy)
         self._handle: SnapshotHandle | None = None
         self._saved_at: float | None = None  # when save() returned: the copy's window
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight = Checkpoints()
         self._step_hook = register_optimizer_step_pre_hook(
             _wait_before_optimizer_steps(weakref.ref(self)))
 
@@ -333,8 +270,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             step, lambda: planner.plan(step, counts, rng, extra, final, rejected, captured,
                                        run),
             ready, p.chain, self.spec, p.groups.layout.ep)
-        self._in_flight[step] = _InFlight(step, time.perf_counter() - t0,
-                                          replica=handle.replica)
+        self._in_flight.started(step, time.perf_counter() - t0, handle.replica)
         self._saved_at = time.perf_counter()
 
     def wait_for_snapshot(self) -> None:
@@ -353,22 +289,17 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         except BaseException:
             # Raised once, here: the engine stays usable (restore, close), and the
             # failed checkpoint is not reported again as in flight.
-            self._in_flight.pop(handle.step, None)
+            self._in_flight.discard(handle.step)
             raise
         assert handle.slot is not None
         self.books.snapshot_taken(handle.slot)
-        if self.auto_k is not None and window is not None:
-            p = self.parts
+        if self.auto_k is not None and window is not None:  # k_snapshot="auto"
             choice = self.auto_k.observe(header, handle.copy_s, window, handle.plan_s,
-                                         p.chain.stems, p.ledger.k)
-            if not self.auto_k.measuring:
-                self.auto_k = None
-                if choice is not None:
-                    self.books.choose(choice)  # shared at the next plan
-        rec = self._in_flight[handle.step]
-        rec.wait_s, rec.snapshot_s = time.perf_counter() - t0, handle.seconds
-        rec.snapshot_phases, rec.copy_Bps = handle.phases, handle.copy_Bps
-        rec.outcome = handle.job.outcome if handle.job is not None else None
+                                         self.parts.chain.stems, self.parts.ledger.k)
+            if choice is not None:
+                self.books.choose(choice)  # shared at the next plan
+            self.auto_k = self.auto_k if self.auto_k.measuring else None
+        self._in_flight.taken(handle, time.perf_counter() - t0)
         self._raise_failure()
 
     def _raise_failure(self) -> None:
@@ -387,8 +318,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         rank = self.parts.groups.rank
         if rank == 0:
             self.planner.poll()
-        return [self._in_flight.pop(step).result(self.parts.mode)
-                for step in sorted(self._in_flight) if self._in_flight[step].final(rank)]
+        return self._in_flight.drain(rank, self.parts.mode)
 
     def flush(self) -> None:
         """Wait for the snapshot and the persist in flight (collective); their results
@@ -401,8 +331,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     def wait_for_replicas(self) -> None:
         """Block until this rank's replica rounds in flight are over. Local (no
         collective): the snapshot thread finishes them with its peers on its own."""
-        self.snapshots.wait_for_replicas(
-            [r.replica for r in self._in_flight.values() if r.replica is not None])
+        self.snapshots.wait_for_replicas(self._in_flight.replica_rounds())
 
     def background_pids(self) -> list[int]:
         """This rank's persist process, when it runs its node's (for fault drills)."""
@@ -451,25 +380,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                                          p.ledger, p.tidy, restored=p.restored, run_id=p.run_id,
                                          step=step, commits_checked=True)
             snapshots.invalidate_newer_than(report.step if report is not None else -1)
-            self._hand_tidy()
-            if report is None:
-                return None
-            return dataclasses.replace(report, sources={
-                "storage": list(range(p.groups.world_size))})
+            self.persist.add_tidy(self.parts.tidy)
+            return report
         snapshots.invalidate_newer_than(mem.step)
-        self._hand_tidy()
+        self.persist.add_tidy(self.parts.tidy)
         p.restored(mem.step, Lineage.from_json(mem.meta["line"], "snapshot lineage"))
         # The chain continues from storage (the snapshot's line continues it).
         self.books.restored_from_memory(
             mem.slot, int(mem.meta.get("snap_index", -1)), mem.meta["ledger"],
             Manifest.load(p.root, storage[-1]) if storage else None)
         return mem.report(p.ledger.recover(mem.at_copy, mem.meta, mem.stale))
-
-    def _hand_tidy(self) -> None:
-        """Rank 0, at start and after a restore (no plan runs): the clean-up the read
-        path left for the write path goes to the persist process with the next persist
-        request, so that it touches storage there, never on a training step."""
-        self.persist.add_tidy(self.parts.tidy.take() if self.parts.tidy is not None else None)
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -489,11 +409,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             why, step, persisted = self.planner.persist_newest(self.snapshots.store)
             if why is not None and p.groups.rank == 0:
                 log.warning("the newest checkpoint on storage is not complete: %s", why)
-            rec = self._in_flight.get(step) if step is not None else None
-            if rec is not None and rec.outcome is not None:
-                # Persisted again (its own persist failed or was skipped): its result
-                # reports this persist, the one that decides what storage holds of it.
-                rec.outcome = dataclasses.replace(rec.outcome, persist=persisted)
+            if step is not None and persisted is not None:
+                self._in_flight.persisted_again(step, persisted)
             # A retention error learned in that flush has no later plan to share it.
             failures = p.dist.agree(self.books.take_unshared())
         finally:

@@ -32,6 +32,7 @@ from moc.checkpoint.dist import Dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.storage import Storage
+from moc.checkpoint.store.tidy import WriteTidy
 from moc.checkpoint.twolevel.commit import watch_part
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
@@ -168,8 +169,11 @@ class PersistExecutor:
         instead of waiting for a snapshot that will never be ready."""
         self.client.send(Failed(rank, step, f"{type(error).__name__}: {error}"))
 
-    def add_tidy(self, work: dict[int, str] | None) -> None:
-        """Rank 0: clean-up for the next request's process to do first."""
+    def add_tidy(self, tidy: WriteTidy | None) -> None:
+        """Rank 0, at start and after a restore (no plan runs): the clean-up the read
+        path left for the write path goes to the persist process with the next persist
+        request, so that it touches storage there, never on a training step."""
+        work = tidy.take() if tidy is not None else None
         if work is not None:
             self.tidy = {**(self.tidy or {}), **work}
 

@@ -3,19 +3,16 @@ reader of storage, for inference or export.
 
 Node memory and the persist process belong to the training job of the directory, which
 may be running beside the reader under the same default job id, so a reader claims,
-reads and removes none of them: it is `moc.Checkpointer`'s model-only engine, whose
-restores say that every rank read storage.
+reads and removes none of them: it is `moc.Checkpointer`'s model-only engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from moc.checkpoint.api import RecoveryReport
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.slots import default_job_id
 
@@ -28,8 +25,3 @@ class StorageReader(Checkpointer):
         super().__init__(model, None, directory, **options)
         self.job = job or default_job_id(directory)
         """The training job whose directory this is (its memory is left alone)."""
-
-    def restore(self, step: int | None = None) -> RecoveryReport | None:
-        report = super().restore(step)
-        return None if report is None else dataclasses.replace(report, sources={
-            "storage": list(range(self.parts.groups.world_size))})
