@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("around the engines", ("moc.checkpoint.export", "moc.checkpoint.tools",
                             "moc.checkpoint.preemption")),
     ("front door", ("moc",)),
+    ("framework integrations", ("moc.integrations",)),
     ("reference model", ("moc.model",)),
     ("trainer's parallelism", ("moc.parallel",)),
     ("baselines", ("moc.baselines",)),

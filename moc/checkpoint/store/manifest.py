@@ -265,7 +265,7 @@ def check_model(saved: dict[str, Any], now: dict[str, Any], source: str) -> None
         more = f" (and {hidden} more)" if hidden > 0 else ""
         raise IncompatibleCheckpointError(
             f"{source} was written for a different model ({shown}{more}); "
-            "use the same model config or a different --ckpt-dir")
+            "use the same model config, or another checkpoint directory")
 
 
 def differences(saved: Any, now: Any, path: str = "") -> list[str]:
