@@ -252,7 +252,8 @@ def parse_size(text: str) -> int:
     return int(value * SIZE_UNITS[unit])
 
 
-BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage", "dtensor")
+BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage", "dtensor",
+              "trainer")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
 
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print("usage: moc bench {size,overhead,accuracy,persist,profile,outage,dtensor} "
+        print("usage: moc bench {size,overhead,accuracy,persist,profile,outage,dtensor,"
+              "trainer} "
               "[options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
@@ -322,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               "  persist   persist time to an S3 server vs local disk, K=1 and K=N\n"
               "  outage    step times while the S3 server is stopped mid-run\n"
               "  profile   where one checkpoint's wall and CPU time goes, phase by phase\n"
-              "  dtensor   host memory and bytes of a save on FSDP2 + DTensor EP\n\n"
+              "  dtensor   host memory and bytes of a save on FSDP2 + DTensor EP\n"
+              "  trainer   transformers.Trainer: moc vs its own save_steps, step times\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:

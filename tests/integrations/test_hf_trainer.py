@@ -185,3 +185,23 @@ def test_the_saved_trainer_state_is_json_of_trainers_own_dataclass(tmp_path):
     state = json.loads(extra["state"])
     assert set(state) == {f.name for f in dataclasses.fields(t.state)}
     assert state["global_step"] == 2
+
+
+def test_resume_true_moves_a_run_from_trainers_checkpoints_onto_moc(tmp_path):
+    """No moc checkpoint yet: `resume_from_checkpoint=True` takes Trainer's last
+    checkpoint-N (Trainer's own loaders), and moc goes on from there."""
+    old, _ = trainer(tmp_path, "move", 4, save_strategy="steps", save_steps=2,
+                     moc_args=MocArguments(dir=tmp_path / "old-moc", interval=2))
+    old.train()
+    moved, seen = trainer(tmp_path, "move", 6, save_strategy="steps", save_steps=2,
+                          moc_args=MocArguments(dir=tmp_path / "new-moc", interval=2))
+    moved.train(resume_from_checkpoint=True)
+    assert moved.recovery is None  # not moc's: Trainer's checkpoint-4
+    assert sorted(seen.seen) == [5, 6]
+    assert [r.step for r in moved.checkpoint_results] == [6]
+
+
+def test_resume_true_on_an_empty_directory_is_a_fresh_start(tmp_path):
+    t, seen = trainer(tmp_path, "fresh", 2)
+    t.train(resume_from_checkpoint=True)
+    assert t.recovery is None and sorted(seen.seen) == [1, 2]
