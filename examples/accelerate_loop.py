@@ -57,11 +57,15 @@ def main() -> int:
     model = build_model(a.model, a.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(dataset(a.samples, a.seed), batch_size=a.batch_size, shuffle=True)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, 3, a.steps)
+    # A prepared scheduler steps once per process at each call (accelerate's convention
+    # for schedules written for one process): the schedule spans steps x processes.
+    n = accelerator.num_processes
+    scheduler = get_cosine_schedule_with_warmup(optimizer, 3 * n, a.steps * n)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
-    ckpt = AcceleratorCheckpointer(accelerator, model, optimizer, a.dir, scheduler=scheduler,
-                                   interval=a.interval, policy=moc.PECPolicy(k=1))
+    ckpt = AcceleratorCheckpointer(accelerator, model, optimizer, a.dir, dataloader=loader,
+                                   scheduler=scheduler, interval=a.interval,
+                                   policy=moc.PECPolicy(k=1))
     try:
         step, epoch = ckpt.restore()
     except (ValueError, moc.CheckpointError) as e:
@@ -74,7 +78,7 @@ def main() -> int:
     model.train()
     step_loss = torch.tensor(0.0)
     while step < a.steps:
-        for batch in ckpt.batches(loader, epoch):
+        for batch in ckpt.batches(epoch):
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -87,7 +91,7 @@ def main() -> int:
             step += 1
             if step == a.fault_at and accelerator.process_index == accelerator.num_processes - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # its update applied, not checkpointed
-            mean = accelerator.reduce(step_loss, reduction="mean")
+            mean = accelerator.reduce(step_loss.to(accelerator.device), reduction="mean")
             step_loss = torch.tensor(0.0)
             if accelerator.is_main_process:
                 value = mean.item()

@@ -102,7 +102,8 @@ class Report(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         loss, self.trainer.step_loss = self.trainer.step_loss, torch.tensor(0.0)
         if dist.is_initialized():
-            dist.all_reduce(loss)  # every rank's micro-batches, gloo on the CPU
+            loss = loss.to(args.device)  # NCCL reduces on the GPU, gloo on the CPU
+            dist.all_reduce(loss)  # every rank's micro-batches
             loss = loss / dist.get_world_size()
         if args.process_index == 0:
             value = loss.item()

@@ -108,10 +108,13 @@ def test_fsdp2_ep_example_resumes_from_memory_bitwise_after_a_sigkill(fsdp2_runs
     assert manifest["version"] == 6 and "param/layers.0.mix.weight@8,0" in manifest["entries"]
 
 
-@pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py", "train_fsdp2_ep.py"])
+@pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py", "train_fsdp2_ep.py",
+                                     "hf_trainer.py", "accelerate_loop.py"])
 def test_examples_answer_help(example, tmp_path):
-    if example == "train_hf_ddp.py":
+    if example in ("train_hf_ddp.py", "hf_trainer.py", "accelerate_loop.py"):
         pytest.importorskip("transformers")
+    if example == "accelerate_loop.py":
+        pytest.importorskip("accelerate")
     r = run(str(EXAMPLES / example), "--help", cwd=tmp_path)
     assert r.stdout.startswith("usage:") and "--steps" in r.stdout
 

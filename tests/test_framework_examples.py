@@ -106,3 +106,8 @@ def test_changed_gradient_accumulation_is_one_line(runs):
 def test_a_checkpoint_of_another_model_is_one_line(runs):
     other = "mixtral" if runs["extra"] else "qwen2_moe"
     assert "was written for a different model" in refusal(runs, "--model", other)
+
+
+def test_a_changed_seed_is_one_line(runs):
+    """Another seed shuffles the epochs otherwise: the batches skipped would be others."""
+    assert "seed=0, this run has" in refusal(runs, *runs["extra"], "--seed", "1")

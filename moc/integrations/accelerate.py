@@ -3,11 +3,11 @@
     accelerator = Accelerator(gradient_accumulation_steps=2, dataloader_config=
                               DataLoaderConfiguration(use_seedable_sampler=True))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, sched)
-    ckpt = AcceleratorCheckpointer(accelerator, model, optimizer, "ckpt/",
+    ckpt = AcceleratorCheckpointer(accelerator, model, optimizer, "ckpt/", dataloader=loader,
                                    scheduler=scheduler, interval=5)
     step, epoch = ckpt.restore()                     # (0, 0) on a fresh start
     while step < steps:
-        for batch in ckpt.batches(loader, epoch):    # the resumed epoch: past what was used
+        for batch in ckpt.batches(epoch):            # the resumed epoch: past what was used
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -49,6 +49,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.integrations.loopstate import (
+    check_rng,
     check_same,
     decode_state,
     encode_state,
@@ -69,17 +70,19 @@ class Position(NamedTuple):
 
 class AcceleratorCheckpointer:
     """moc's two-level checkpoints for a loop under `accelerate.Accelerator` (module
-    docstring). `model` and `optimizer` are the prepared ones; `scheduler` and `objects`
-    (anything with `state_dict`/`load_state_dict`) are saved with each checkpoint.
+    docstring). `model`, `optimizer` and `dataloader` (the training data) are the
+    prepared ones; `scheduler` and `objects` (anything with `state_dict`/
+    `load_state_dict`) are saved with each checkpoint.
     Other keyword arguments go to `moc.TwoLevelCheckpointer` (`keep_last`, `k_snapshot`,
     `persist_policy`, `max_failures`, `job`, ...)."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
-                 directory: str | Path, *, scheduler: Any = None,
+                 directory: str | Path, *, dataloader: Any, scheduler: Any = None,
                  objects: Iterable[Any] = (), interval: int = 10,
                  policy: PECPolicy | None = None, experts: ExpertSpec | None = None,
                  watch_routing: bool = True, **engine_options: Any) -> None:
-        self.accelerator = accelerator
+        _check_seeded(dataloader)
+        self.accelerator, self.loader = accelerator, dataloader
         self.scheduler, self.objects = scheduler, list(objects)
         self.directory = Path(directory)
         inner = accelerator.unwrap_model(model)
@@ -95,12 +98,13 @@ class AcceleratorCheckpointer:
         self.results: list[CheckpointResult] = []
         """Every checkpoint's result, once final, in the order they finished."""
         self._epoch, self._used = 0, 0  # the batches of `_epoch` the loop has taken
-        self._loader: Any = None
         self._resume: dict[str, Any] | None = None  # the position and RNGs to put back
 
     def restore(self) -> Position:
         """Restore moc's newest checkpoint (memory, a peer's replica or storage); the loop
-        goes on after the returned step, in the returned epoch. Collective."""
+        goes on after the returned step, in the returned epoch. Collective. Refuses (one
+        line) a checkpoint of another model, of another loop, or of another data layout:
+        processes, gradient accumulation, batches per epoch, sampler seed."""
         report = self.engine.restore()
         self.recovery = report
         if report is None:
@@ -126,25 +130,27 @@ class AcceleratorCheckpointer:
         for obj, text in zip(self.objects, saved["objects"], strict=True):
             obj.load_state_dict(decode_state(text))
         epoch, used = saved["epoch"], saved["used"]
+        rng = rng_of(saved["rng"], self.accelerator.process_index)
+        check_rng(rng)
         self._resume = {"epoch": epoch, "used": used, "torch": torch.get_rng_state(),
-                        "rng": rng_of(saved["rng"], self.accelerator.process_index),
-                        "step": report.step, "layout": saved["layout"]}
+                        "rng": rng, "step": report.step}
         log.warning("moc: resumed from step %d (%s) in %.2f s", report.step, report.source,
                     report.recovery_s)
         return Position(report.step, epoch)
 
-    def batches(self, dataloader: Any, epoch: int) -> Iterator[Any]:
-        """The batches of `epoch`, from a prepared dataloader: in the epoch a resume
-        continues, only those the checkpoint had not used, and the RNGs as they were
-        when it was taken (put back where Trainer puts them: before the epoch's
-        iterator when none was used, else after the first batch of the skipped one)."""
-        _check_seeded(dataloader)
-        self._epoch, self._used, self._loader = epoch, 0, dataloader
-        resume = self._resume if self._resume and self._resume["epoch"] == epoch else None
+    def batches(self, epoch: int) -> Iterator[Any]:
+        """The batches of `epoch`: in the epoch a resume continues, only those the
+        checkpoint had not used, and the RNGs as they were when it was taken (put back
+        where Trainer puts them: before the epoch's iterator when none was used, else
+        after the first batch of the skipped one)."""
+        dataloader = self.loader
+        self._epoch, self._used = epoch, 0
+        resume = self._resume
+        if resume is not None and resume["epoch"] != epoch:
+            raise ValueError(f"moc restored step {resume['step']}, which goes on in epoch "
+                             f"{resume['epoch']}, but the loop asked for the batches of epoch "
+                             f"{epoch}: start the loop at the epoch restore() returned")
         if resume is not None:
-            check_same(resume["layout"], self._layout(), resume["step"],
-                       str(self.directory), "resume with the dataset and batch size that "
-                       "saved it, or start a new run in another directory")
             self._resume = None
             self._used = resume["used"]
             if self._used:
@@ -182,7 +188,7 @@ class AcceleratorCheckpointer:
 
     def _loop_state(self) -> dict[str, Any]:
         used, epoch = self._used, self._epoch
-        if self._loader is not None and used == _length(self._loader):
+        if used == _length(self.loader):
             epoch, used = epoch + 1, 0  # the epoch is over: the next one starts afresh
         scaler = getattr(self.accelerator, "scaler", None)
         return {"epoch": epoch, "used": used, "layout": self._layout(),
@@ -197,8 +203,8 @@ class AcceleratorCheckpointer:
         a = self.accelerator
         return {"num_processes": a.num_processes,
                 "gradient_accumulation_steps": a.gradient_accumulation_steps,
-                **({"batches_per_epoch": _length(self._loader)}
-                   if self._loader is not None else {})}
+                "batches_per_epoch": _length(self.loader),
+                "sampler_seed": _sampler_seed(self.loader)}
 
     def _put_back_rng(self, resume: dict[str, Any]) -> None:
         torch.set_rng_state(resume["torch"])
@@ -212,21 +218,35 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def _check_seeded(loader: Any) -> None:
-    """Refuse a loader that shuffles with torch's global RNG: a resumed epoch's order
-    would then come from the RNG at the restart, not at the epoch's start, and the
-    skipped batches would be other samples than those the checkpoint used."""
-    from torch.utils.data import RandomSampler
-
+def _samplers(loader: Any) -> Iterator[Any]:
+    """The loader and every sampler inside it (accelerate wraps them: a BatchSamplerShard
+    around a BatchSampler around the sampler)."""
     seen, todo = set(), [loader]
     while todo:
         obj = todo.pop()
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
+        yield obj
+        todo += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]
+
+
+def _sampler_seed(loader: Any) -> int | None:
+    """The seed a seedable sampler shuffles each epoch from (`set_seed` sets it): another
+    seed, and the batches skipped on a resume are other samples."""
+    return next((int(s.initial_seed) for s in _samplers(loader)
+                 if getattr(s, "initial_seed", None) is not None), None)
+
+
+def _check_seeded(loader: Any) -> None:
+    """Refuse a loader that shuffles with torch's global RNG: a resumed epoch's order
+    would then come from the RNG at the restart, not at the epoch's start, and the
+    skipped batches would be other samples than those the checkpoint used."""
+    from torch.utils.data import RandomSampler
+
+    for obj in _samplers(loader):
         if isinstance(obj, RandomSampler) and not hasattr(obj, "set_epoch"):
             raise ValueError("the dataloader shuffles with torch's global RNG (a plain "
                              "RandomSampler): a resumed epoch would be in another order; "
                              "prepare it under Accelerator(dataloader_config="
                              "DataLoaderConfiguration(use_seedable_sampler=True))")
-        todo += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]

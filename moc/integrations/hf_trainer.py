@@ -52,9 +52,11 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.integrations.loopstate import (
+    check_rng,
     check_same,
     decode_state,
     encode_state,
+    gather_json,
     gather_rng,
     rng_of,
     set_rng,
@@ -107,6 +109,7 @@ class MocTrainerMixin:
         """Every checkpoint's result, once final, in the order they finished."""
         self._resume: _Resume | None = None
         self._saved_step: int | None = None
+        self._deferred: int | None = None  # a due step whose save waits for Trainer's 2nd call
 
     # -- train ----------------------------------------------------------------------------
 
@@ -125,7 +128,8 @@ class MocTrainerMixin:
             self.model, self.optimizer, directory,
             experts=self.moc.experts or ExpertSpec.infer(self.model), policy=self.moc.policy,
             interval=interval, keep_last=self.moc.keep_last, **self.moc.engine_options)
-        self._saved_step = None
+        self._saved_step = self._deferred = None
+        routing = None
         try:
             report = engine.restore()
             self.recovery = report
@@ -136,28 +140,45 @@ class MocTrainerMixin:
                     f"step {report.step} of this run: pass resume_from_checkpoint=None to "
                     "resume from moc, or give moc another directory (MocArguments.dir)")
             if report is not None:
-                self._resume = _Resume.from_report(report, self, directory)
+                self._resume = _agreed(lambda: _Resume.from_report(report, self, directory),
+                                       args_.device)
                 self._saved_step = report.step
                 resume_from_checkpoint = self._resume.dir
                 log.warning("moc: resumed from step %d (%s) in %.2f s", report.step,
                             report.source, report.recovery_s)
+                if 0 < args_.max_steps <= report.step:
+                    # Finished: Trainer would re-enter the last epoch when max_steps does
+                    # not end one, and train a step past it.
+                    return self._already_done(report.step)
             elif resume_from_checkpoint is True and not _trainer_checkpoint(args_):
                 resume_from_checkpoint = None  # nothing to resume: a fresh start
             routing = engine.watch_routing(self.model) if self.moc.watch_routing else None
             out = super().train(resume_from_checkpoint, *args, **kwargs)
             self._moc_finish()
-            if routing is not None:
-                routing.remove()
             return out
         except BaseException:
             if args_.world_size == 1:  # alone, closing cannot wait for a missing peer
                 _close_quietly(engine)
             raise  # several ranks: the snapshots stay in memory for the restart
         finally:
+            if routing is not None:
+                routing.remove()
             if self._resume is not None:
                 self._resume.cleanup()
                 self._resume = None
             self.checkpointer = None
+
+    def _already_done(self, step: int) -> Any:
+        """A run resumed at or past `max_steps`: nothing to train; Trainer's state as saved."""
+        from transformers import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        assert self._resume is not None
+        self.state = TrainerState(**json.loads(self._resume.saved["state"]))
+        log.warning("moc: step %d is at or past max_steps=%d: nothing to train", step,
+                    self.args.max_steps)
+        self._moc_finish()
+        return TrainOutput(step, 0.0, {})
 
     def _moc_finish(self) -> None:
         """The last step saved (if the run stopped between checkpoints), everything in
@@ -175,15 +196,24 @@ class MocTrainerMixin:
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """Trainer's log, evaluation and own save, then moc's checkpoint when one is due
-        (here Trainer's state holds the step's log, as in its own checkpoints). Called
-        twice at an epoch's last step; the second call saves nothing."""
+        (here Trainer's state holds the step's log, as in its own checkpoints).
+
+        Trainer calls this twice at an epoch's last step and at the run's last step (an
+        early stop included): after the step, and after `on_epoch_end`, where an epoch's
+        evaluation, its log and Trainer's own epoch save happen (and the evaluation's
+        dataloader draws from the RNG). A checkpoint due there waits for that second
+        call, so that it holds all of it."""
         super()._maybe_log_save_evaluate(*args, **kwargs)
         engine, step = self.checkpointer, self.state.global_step
         if engine is None or step == self._saved_step:
             return
-        final = step >= self.state.max_steps
+        final = step >= self.state.max_steps or self.control.should_training_stop
         if step % engine.interval and not final:
             return  # no work on ordinary steps
+        ends_epoch = self.state.epoch is not None and float(self.state.epoch).is_integer()
+        if (final or ends_epoch) and self._deferred != step:
+            self._deferred = step
+            return
         engine.save(step, self._loop_state(), final=final)
         self._saved_step = step
         if engine.pending:
@@ -194,13 +224,19 @@ class MocTrainerMixin:
         as `extra_state` (collective: the RNGs of every rank are gathered)."""
         from transformers.trainer_callback import ExportableState
 
-        for cb in [*self.callback_handler.callbacks, self.control]:  # as _save_checkpoint
+        # The stateful callbacks as they are now, one entry per instance (as TrainerState
+        # builds them; Trainer's own save appends to a list at every save instead).
+        states: dict[str, Any] = {}
+        for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, ExportableState):
                 name = type(cb).__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(cb.state())
+                if name in states:
+                    if not isinstance(states[name], list):
+                        states[name] = [states[name]]
+                    states[name].append(cb.state())
                 else:
-                    self.state.stateful_callbacks[name] = cb.state()
+                    states[name] = cb.state()
+        self.state.stateful_callbacks = states
         scaler = getattr(self.accelerator, "scaler", None)
         return {"trainer": {
             "state": json.dumps(dataclasses.asdict(self.state), sort_keys=True),
@@ -293,6 +329,7 @@ class _Resume:
         # process this is stays this process's.
         state["is_world_process_zero"] = trainer.is_world_process_zero()
         state["is_local_process_zero"] = trainer.is_local_process_zero()
+        check_rng(rng_of(saved["rng"], trainer.args.process_index))
         directory = tempfile.mkdtemp(prefix="moc-trainer-resume-")
         Path(directory, STATE_FILE).write_text(json.dumps(state))
         groups = [{k: v for k, v in g.items() if k != "params"}
@@ -344,6 +381,14 @@ def _check_arguments(trainer: Any) -> None:
                          f"{args.world_size} ({args.parallel_mode}): each rank would train "
                          "alone; on the CPU, TrainingArguments(use_cpu=True) makes Trainer "
                          "use DDP over gloo")
+    if trainer.model_init is not None:
+        raise ValueError("MocTrainer restores into the model it was given; model_init (and "
+                         "hyperparameter search) would build another after the restore: "
+                         "pass model= instead")
+    if args.auto_find_batch_size:
+        raise ValueError("MocTrainer keeps the batch size fixed, since the data position "
+                         "depends on it; auto_find_batch_size=True may change it on a retry: "
+                         "set per_device_train_batch_size and auto_find_batch_size=False")
     if args.ignore_data_skip:
         raise ValueError("MocTrainer resumes the data position; ignore_data_skip=True would "
                          "train the resumed epoch's first batches again: set it to False")
@@ -369,6 +414,23 @@ def _interval(moc: MocArguments, args: Any) -> int:
                              "set: pass MocArguments(interval=N)")
         return max(1, math.ceil(args.max_steps * steps))
     return int(steps)
+
+
+def _agreed(build: Any, device: Any) -> Any:
+    """`build()` on every rank; when it raises ValueError on any, the same error on all
+    (collective): a rank that failed alone would leave the others waiting in Trainer's
+    first collective."""
+    result, error = None, None
+    try:
+        result = build()
+    except ValueError as e:
+        error = str(e)
+    first = next((e for e in gather_json(error, device) if e is not None), None)
+    if first is not None:
+        if result is not None:
+            result.cleanup()
+        raise ValueError(first)
+    return result
 
 
 def _trainer_checkpoint(args: Any) -> str | None:

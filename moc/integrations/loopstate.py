@@ -59,13 +59,20 @@ def set_rng(state: dict[str, Any]) -> None:
         import numpy as np
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    check_rng(state)
     if "cuda" in state and torch.cuda.is_available():
-        saved = state["cuda"]
-        if len(saved) != torch.cuda.device_count():
-            raise ValueError(f"the checkpoint holds the RNG of {len(saved)} CUDA devices, this "
-                             f"process sees {torch.cuda.device_count()}: set "
-                             "CUDA_VISIBLE_DEVICES as the saving run did")
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in saved])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8)
+                                      for s in state["cuda"]])
+
+
+def check_rng(state: dict[str, Any]) -> None:
+    """Refuse a state `set_rng` could not put back whole: call it where every rank can
+    still agree on the error (before training), not where one rank would raise alone."""
+    if "cuda" in state and torch.cuda.is_available() \
+            and len(state["cuda"]) != torch.cuda.device_count():
+        raise ValueError(f"the checkpoint holds the RNG of {len(state['cuda'])} CUDA devices, "
+                         f"this process sees {torch.cuda.device_count()}: set "
+                         "CUDA_VISIBLE_DEVICES as the saving run did")
 
 
 def gather_rng(device: torch.device | str = "cpu") -> dict[str, Any]:
