@@ -40,7 +40,11 @@ def test_too_little_shared_memory_fails_every_attempt_clearly_and_room_later_wor
                   if line.startswith("moc train: error: snapshot of step")]
         assert len(errors) >= 3, r.stderr[-3000:]  # each attempt's (one rank or both)
         for line in errors:
-            assert "cannot reserve" in line and "No space left on device" in line, line
+            # Usually a slot's reservation meets the full tmpfs; when the other rank's
+            # reservation took the last pages first, the next small write does (seen in
+            # CI: "cannot write the header of the snapshot"). Either is the clear line.
+            assert "cannot reserve" in line or "cannot write the header" in line, line
+            assert "No space left on device" in line and "MOC_SHM_ROOT" in line, line
         assert r.stderr.splitlines()[-1].startswith("moc train: error: workers failed")
         # The same memory with room: the slot files left behind are reserved again.
         subprocess.run(["mount", "-o", "remount,size=64m", str(shm)], check=True)
