@@ -100,15 +100,7 @@ class Dist:
         """`all_gather` over `group` (of `size` ranks): the encoded sizes, then the bytes
         padded to the longest, as two tensor all-gathers (what `all_gather_object` does,
         minus the pickle)."""
-        data = _as_tensor(codec.encode(obj))
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
-        longest = max(int(n) for n in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:data.numel()] = data
-        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-        dist.all_gather(bufs, padded, group=group)
-        return [_decoded(buf[:int(n)]) for buf, n in zip(bufs, sizes, strict=True)]
+        return [_decoded(b) for b in all_gather_bytes(codec.encode(obj), size, group)]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank (the others' `obj` is ignored)."""
@@ -241,6 +233,21 @@ def describe(failures: list[RankError], world_size: int) -> str:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         parts.append(f"{who}: {message}")
     return "; ".join(parts)
+
+
+def all_gather_bytes(data: bytes, size: int, group: Any = None,
+                     device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Every rank's `data` over `group` (of `size` ranks; None: the default group), in rank
+    order, as uint8 CPU tensors: the sizes, then the bytes padded to the longest, as two
+    tensor all-gathers on `device` (an NCCL group's tensors live on the GPU)."""
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(sizes, torch.tensor([len(data)], device=device), group=group)
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:len(data)] = _as_tensor(data).to(device)
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(bufs, padded, group=group)
+    return [buf[:int(n)].cpu() for buf, n in zip(bufs, sizes, strict=True)]
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

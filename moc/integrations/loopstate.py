@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moc.checkpoint.dist import all_gather_bytes
+
 
 def host_rng() -> dict[str, Any]:
     """This process's generators that moc's engines do not save, as JSON: python's,
@@ -100,23 +102,13 @@ def rng_of(gathered: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def gather_json(obj: Any, device: torch.device | str = "cpu") -> list[Any]:
-    """Every rank's JSON-able `obj`, in rank order, over the default process group, as
-    two tensor all-gathers on `device` (the sizes, then the padded bytes): the default
-    group may be NCCL, whose tensors live on the GPU. Without a process group: [obj]."""
+    """Every rank's JSON-able `obj`, in rank order, over the default process group (on
+    `device`: the default group may be NCCL). Without a process group: [obj]."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    world = dist.get_world_size()
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = max(int(n) for n in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data.to(device)
-    bufs = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(bufs, padded)
-    return [json.loads(bytes(b[:int(n)].cpu().tolist()).decode())
-            for b, n in zip(bufs, sizes, strict=True)]
+    data = json.dumps(obj).encode()
+    return [json.loads(t.numpy().tobytes().decode())
+            for t in all_gather_bytes(data, dist.get_world_size(), None, device)]
 
 
 def encode_state(state: dict[str, Any]) -> str:

@@ -15,33 +15,22 @@ import torch
 import moc
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from moc.integrations.hf_trainer import MocArguments, MocTrainer  # noqa: E402
+from tests.checkpoint import hf_moe_zoo  # noqa: E402
 
 pytestmark = pytest.mark.integration  # a real persist process per engine
 
 VOCAB, LENGTH = 64, 8
 
 
-def tiny(kind: str = "mixtral") -> torch.nn.Module:
+def tiny(family: str = "mixtral") -> torch.nn.Module:
+    """The zoo's tiny `family`, with attention dropout: a resume must bring the RNG back."""
+    config = hf_moe_zoo.tiny_config(family)
+    config.attention_dropout = 0.1
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                  attention_dropout=0.1)  # the RNG matters: a resume must bring it back
-    if kind == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4,
-                                                num_experts_per_tok=2))
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=16,
-                                              shared_expert_intermediate_size=16))
+    return hf_moe_zoo.model_class(family, config)(config)
 
 
 def data(n: int = 20) -> list[dict[str, torch.Tensor]]:
@@ -245,7 +234,7 @@ def test_an_early_stop_is_the_final_checkpoint(tmp_path):
     t.train()
     assert [r.step for r in t.checkpoint_results] == [2, 3]
     last = t.checkpoint_results[-1]
-    assert last.n_experts_saved == 4  # final: every expert of the one MoE layer
+    assert last.n_experts_saved == 2 * 4  # final: every expert of both MoE layers
 
 
 def test_a_finished_run_started_again_trains_nothing(tmp_path):
