@@ -138,6 +138,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from moc.train.nodes import run_nodes
 
         return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
+                         module=worker_module(cfg),
                          gpus=args.nproc if cfg.device == "cuda" else 0,
                          shutdown_s=shutdown_timeout(cfg.grace_s))
     torchrun_argv = ["--standalone", "--nproc-per-node", str(args.nproc),
@@ -146,10 +147,16 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      # kills them after this long: first they stop at a step boundary and
                      # take a final checkpoint, within --grace-s (moc.Preemption).
                      "--shutdown-timeout", str(shutdown_timeout(cfg.grace_s)),
-                     "--module", "moc.train", *worker_argv(args, parser)]
+                     "--module", worker_module(cfg), *worker_argv(args, parser)]
     # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they
     # stopped; the agent only reports the signal in its status (moc.train.agent).
     return run_agent(torchrun_argv)
+
+
+def worker_module(cfg: TrainConfig) -> str:
+    """What torchrun starts per rank: the training process, or under `--recovery in-job`
+    its host, which starts it and replaces it on a fault (moc.train.host)."""
+    return "moc.train.host" if cfg.recovery == "in-job" else "moc.train"
 
 
 SHUTDOWN_MARGIN_S = 15

@@ -391,13 +391,11 @@ class DCPCheckpointer(CheckpointEngine):
     def host_memory(self) -> dict[str, int]:
         return {}  # DCP's staging buffers are its own; it does not say how large
 
-    def close(self) -> None:
-        """Wait for the save in flight, release the staging buffers, end DCP's checkpoint
-        process. Collective. Raises an error no save has reported yet."""
+    def abandon(self) -> None:
+        """`CheckpointEngine.abandon`: the staging buffers and the directory's lock go;
+        a save in flight is not waited for (its step has no `.metadata` and is never
+        restored)."""
         try:
-            self.flush()
-            errors = [e for e in self.parts.dist.all_gather(self._error) if e]
-            self._error = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -405,6 +403,16 @@ class DCPCheckpointer(CheckpointEngine):
                 stop_checkpoint_process()
         finally:
             self.parts.release()
+
+    def close(self) -> None:
+        """Wait for the save in flight, release the staging buffers, end DCP's checkpoint
+        process. Collective. Raises an error no save has reported yet."""
+        try:
+            self.flush()
+            errors = [e for e in self.parts.dist.all_gather(self._error) if e]
+            self._error = None
+        finally:
+            self.abandon()  # what is left to release once nothing is in flight
         if errors:
             raise CheckpointError("; ".join(errors))
 

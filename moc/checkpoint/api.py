@@ -315,3 +315,11 @@ class CheckpointEngine(Protocol):
     def close(self) -> None:
         """Flush, stop background work, release its resources; raise any error it met
         that was not raised yet."""
+
+    def abandon(self) -> None:
+        """The job's process groups are gone (a peer was lost and they were destroyed,
+        for in-job recovery): stop the engine's background work and release its
+        resources without a collective and without raising, keeping everything a
+        restore reads (snapshots in memory, storage). The engine is not used again; a
+        new one is built on the new process groups and restores. Nothing here: an
+        engine with background work or a lock (every engine of moc's) overrides it."""

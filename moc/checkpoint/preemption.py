@@ -127,6 +127,13 @@ class Preemption:
             self._work = work
         return bool(agreed)
 
+    def regroup(self) -> None:
+        """The process groups were rebuilt (in-job recovery): the agreement starts over
+        on a group of the new ones, made at the next `should_stop` (collectively). The
+        round in flight on the old group is dropped: a signal it carried is still in
+        `received` and goes into the next round."""
+        self._group, self._work, self._calls = _UNSET, None, 0
+
     def settle(self) -> None:
         """Finish the agreement round in flight (every rank posted it at its last
         `should_stop`): call it before the process groups are destroyed. Signals are

@@ -271,6 +271,18 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         return resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain, p.ledger,
                                    p.tidy, restored=p.restored, run_id=p.run_id, step=step)
 
+    def abandon(self) -> None:
+        """`CheckpointEngine.abandon`: a save is synchronous, so nothing is in flight;
+        retention stops and the directory's lock is released."""
+        p = self.parts
+        try:
+            if p.retention is not None:
+                p.retention.close()
+        except Exception as e:
+            log.warning("retention did not stop cleanly while abandoning the engine: %s", e)
+        finally:
+            p.release()
+
     def close(self) -> None:
         """Finish background work (retention) and raise any error it met, on every
         rank. Collective."""

@@ -106,3 +106,11 @@ def shard_experts(model: nn.Module, groups: ParallelGroups) -> None:
             module.dispatcher = AllToAllDispatcher(groups.ep_group, layout.ep)
         else:
             module.dispatcher = local_dispatch
+
+
+def rebind_experts(model: nn.Module, groups: ParallelGroups) -> None:
+    """Route `model`'s tokens over `groups`, new process groups of the same layout (in-job
+    recovery rebuilt them): the experts this rank holds stay as they are."""
+    for module in model.modules():
+        if isinstance(module, MoE) and isinstance(module.dispatcher, AllToAllDispatcher):
+            module.dispatcher = AllToAllDispatcher(groups.ep_group, groups.layout.ep)

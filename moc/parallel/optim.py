@@ -37,8 +37,11 @@ class ShardedAdamW:
         self._expert_names = {n for n, _ in experts}
         kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         self.optimizers: list[torch.optim.Optimizer] = []
-        for named, group, size in ((dense, groups.world, groups.world_size),
-                                   (experts, groups.edp_group, groups.layout.edp)):
+        self._zero: list[tuple[ZeroRedundancyOptimizer, str]] = []
+        """Each ZeRO optimizer and the group it shards over ("world" or "edp")."""
+        for which, named, group, size in (
+                ("world", dense, groups.world, groups.world_size),
+                ("edp", experts, groups.edp_group, groups.layout.edp)):
             if not named:
                 continue
             # Norm gains and other vectors are not decayed.
@@ -50,9 +53,20 @@ class ShardedAdamW:
             if groups.distributed and size > 1:
                 opt = ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,
                                               process_group=group, **kwargs)
+                self._zero.append((opt, which))
             else:
                 opt = torch.optim.AdamW(param_groups, **kwargs)
             self.optimizers.append(opt)
+
+    def rebind(self, groups: ParallelGroups) -> None:
+        """Communicate over `groups`, new process groups of the same layout (in-job
+        recovery rebuilt them; ranks and sizes are unchanged, so ZeRO's partition and the
+        moments it holds stay valid): only the group ZeRO broadcasts on changes."""
+        if groups.layout != self._layout:
+            raise ValueError(f"ShardedAdamW.rebind: the layout changed ({self._layout} -> "
+                             f"{groups.layout}); build a new optimizer and restore instead")
+        for opt, which in self._zero:
+            opt.process_group = groups.world if which == "world" else groups.edp_group
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:

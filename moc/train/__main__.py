@@ -25,6 +25,7 @@ from typing import NoReturn
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
 from moc.train.cli_args import add_train_args, config_from_args
+from moc.train.injob import is_standby, standby_wait
 from moc.train.loop import NothingToTrain, Trainer
 
 
@@ -32,12 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moc.train", description="moc training worker")
     add_train_args(parser, launcher=False)
     args = parser.parse_args(argv)
+    corpus = None
+    if is_standby():  # a spare (in-job recovery): ready, until its host wakes it
+        corpus = Trainer.prepare(config_from_args(args))
+        standby_wait()
     # First of all: a signal from now on is a request to stop at a step boundary, not a
     # KeyboardInterrupt or a death where the process stands.
     preemption = Preemption(grace_s=args.grace_s if args.grace_s > 0 else None)
     trainer = None
     try:
-        trainer = Trainer(config_from_args(args), preemption)
+        trainer = Trainer(config_from_args(args), preemption, corpus=corpus)
         result = trainer.run()
         # Collective: only when every rank got here.
         trainer.close()

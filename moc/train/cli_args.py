@@ -85,9 +85,25 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "of this many steps (needs --max-restarts of at least steps / F)")
     p.add_argument("--fault-rank", type=int, default=0,
                    help="the rank --fault-at / --fault-every kill (default 0)")
-    p.add_argument("--fault-kind", choices=["process", "node", "persist"], default="process",
+    p.add_argument("--fault-kind", choices=["process", "node", "persist", "hang"],
+                   default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
-                        "persist: SIGKILL rank 0's persist process instead (--ckpt-mode moc)")
+                        "persist: SIGKILL rank 0's persist process instead (--ckpt-mode "
+                        "moc); hang: SIGSTOP the rank (--recovery in-job)")
+    p.add_argument("--recovery", choices=["restart", "in-job"], default="restart",
+                   help="restart (default): torchrun restarts every worker after a fault "
+                        "(--max-restarts); in-job: only the lost or hung rank's process is "
+                        "replaced, the others keep their processes and memory")
+    p.add_argument("--spares", type=int, default=0,
+                   help="in-job: a standby process per rank, imported and waiting, "
+                        "that takes a lost rank's place (0 or 1; default 0)")
+    p.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="in-job: a rank with no heartbeat, or no step while not waiting for "
+                        "a peer, for S seconds is killed and replaced (default: 10x the "
+                        "median step time, at least 5 s)")
+    p.add_argument("--max-replacements", type=int, default=100,
+                   help="in-job: processes each rank's host replaces before it gives up "
+                        "and leaves the job to torchrun's restarts (default 100)")
     p.add_argument("--fault-node", type=int,
                    help="with --fault-kind node: lose node J (torchrun's GROUP_RANK) "
                         "instead of --fault-rank's: its persist process and every rank "
@@ -145,7 +161,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         k_replica=_int_or(args.k_replica, "--k-replica", ("all", "none")),
         replica_jump=args.replica_jump,
         replica_rate=args.replica_rate, fault_node=args.fault_node,
-        grace_s=args.grace_s, resume_step=args.resume_step,
+        grace_s=args.grace_s, resume_step=args.resume_step, recovery=args.recovery,
+        spares=args.spares, hang_timeout=args.hang_timeout,
+        max_replacements=args.max_replacements,
         device=args.device or default_device(_ranks_here(args)))
 
 

@@ -37,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 CKPT_MODES = ("none", "blocking", "pec", "moc", "dcp-sync", "dcp-async")
-FAULT_KINDS = ("process", "node", "persist")
+FAULT_KINDS = ("process", "node", "persist", "hang")
+RECOVERIES = ("restart", "in-job")
 DEVICES = ("cpu", "cuda")
 
 
@@ -129,6 +130,17 @@ class TrainConfig:
     """On SIGTERM or SIGINT every rank stops at an agreed step boundary and takes a final
     complete checkpoint; if that is not durable this many seconds after the signal, the
     job exits anyway (what is durable stays so). A second signal exits at once."""
+    recovery: str = "restart"
+    """How a fault is recovered: "restart" (torchrun restarts every worker, up to
+    --max-restarts) or "in-job" (each rank's host replaces only the lost or hung
+    process; the survivors keep theirs: moc.train.host)."""
+    spares: int = 0
+    """in-job: standby processes per rank, imported and waiting (0 or 1)."""
+    hang_timeout: float | None = None
+    """in-job: seconds without a heartbeat, or without a step while not waiting for a
+    peer, after which a rank is killed and replaced (None: from the step time)."""
+    max_replacements: int = 100
+    """in-job: processes a rank's host replaces before it gives up (then torchrun)."""
     resume_step: int | None = None
     """Roll back: resume from this complete step on storage instead of the newest, and
     set the newer steps aside (first attempt only: a restart after a fault resumes from
@@ -190,6 +202,25 @@ class TrainConfig:
                              ">= 0")
         if not self.grace_s > 0:
             raise ValueError(f"--grace-s must be > 0 seconds, got {self.grace_s}")
+        if self.recovery not in RECOVERIES:
+            raise ValueError(f"--recovery must be one of {', '.join(RECOVERIES)}, got "
+                             f"{self.recovery!r}")
+        if self.spares not in (0, 1):
+            raise ValueError(f"--spares must be 0 or 1, got {self.spares}")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise ValueError(f"--hang-timeout must be > 0 seconds, got {self.hang_timeout}")
+        if self.max_replacements < 0:
+            raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        if self.recovery == "restart" and (self.spares or self.hang_timeout is not None):
+            raise ValueError("--spares and --hang-timeout are for --recovery in-job (a "
+                             "restart starts every process anew and detects no hang)")
+        if self.fault_kind == "hang" and self.recovery != "in-job":
+            raise ValueError("--fault-kind hang stops a rank (SIGSTOP): only --recovery "
+                             "in-job detects a hang; under restart the job would wait for "
+                             "the collective timeout")
+        if self.recovery == "in-job" and self.ckpt_mode in ("dcp-sync", "dcp-async"):
+            raise ValueError(f"--recovery in-job needs a moc engine (--ckpt-mode moc, pec, "
+                             f"blocking or none), got {self.ckpt_mode}")
         if self.resume_step is not None and self.resume_step < 0:
             raise ValueError(f"--resume-step must be a step >= 0, got {self.resume_step}")
         if self.resume_step is not None and self.ckpt_dir is None:

@@ -11,28 +11,22 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import statistics
+import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
-from moc.baselines.dcp import DCP_MODES, DCPCheckpointer
-from moc.checkpoint.api import CheckpointEngine, CheckpointResult
-from moc.checkpoint.dist import Dist
-from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.api import CheckpointEngine
 from moc.checkpoint.preemption import Preemption
-from moc.checkpoint.sync import Checkpointer
-from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.nodes import node_memory_root
+from moc.checkpoint.twolevel.prestart import prestart
 from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
     ShardedAdamW,
     clip_grad_norm_,
+    rebind_experts,
     shard_experts,
     sync_gradients,
 )
@@ -40,13 +34,24 @@ from moc.topology import init_distributed as init
 from moc.topology import node_rank, restart_count
 from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
-from moc.train.metrics import MetricsWriter, StepProgress, read_events, table
+from moc.train.engines import agree_on_placement, make_engine
+from moc.train.injob import ENV_PRESTART, Membership, lost_peer
+from moc.train.injob import enabled as in_job
+from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
+from moc.train.report import RunResult, report_checkpoint, summary
 
 
-def init_distributed(device: str = "cpu") -> None:
+def init_distributed(device: str = "cpu", membership: Membership | None = None) -> None:
     """Join the torchrun job: NCCL on cuda (each rank on GPU LOCAL_RANK), gloo on the
-    CPU; `moc.init_distributed` does the restart-safe part."""
-    init(backend="nccl" if device == "cuda" else "gloo")
+    CPU; `moc.init_distributed` does the restart-safe part, `membership` (in-job
+    recovery) the generation's."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    if membership is None:
+        init(backend=backend)
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    membership.join(backend)
 
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
@@ -91,7 +96,8 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
         metrics.close()
         if cfg.fault_kind == "node" and checkpointer is not None:
             checkpointer.drop_node_memory()  # this job's node-local snapshots
-        os.kill(os.getpid(), signal.SIGKILL)
+        # hang: every thread stops, sockets stay open; only a watchdog sees it.
+        os.kill(os.getpid(), signal.SIGSTOP if cfg.fault_kind == "hang" else signal.SIGKILL)
 
 
 def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> None:
@@ -142,32 +148,23 @@ class NothingToTrain(ValueError):
     rank, after the restore: the engine is still to be closed)."""
 
 
-@dataclass
-class RunResult:
-    steps: int
-    final_loss: float
-    val_loss: float
-    wall_s: float
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    """The checkpoint events of this attempt."""
-    resumed_from: int | None = None
-    preempted: int | None = None
-    """The step at which a SIGTERM or SIGINT stopped the run (None: it was not)."""
-    final_error: str | None = None
-    """Why the run's final checkpoint did not reach storage (None: it did, or none)."""
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig, preemption: Preemption | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, preemption: Preemption | None = None,
+                 corpus: Corpus | None = None) -> None:
         """`preemption`: SIGTERM and SIGINT caught (made before this, so that a signal
-        while the job starts is a request to stop, not a traceback); None: not caught."""
+        while the job starts is a request to stop, not a traceback); None: not caught.
+        `corpus`: the data, already loaded (a spare loads it while it waits)."""
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
         if cfg.device == "cuda":
             # cuBLAS is deterministic only with a fixed workspace (set before its first
             # use); deterministic algorithms are what make a resumed run bitwise exact.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        init_distributed(cfg.device)
+        self.step = 0
+        self.membership = (Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                      lambda: self.step) if in_job() else None)
+        """In-job recovery: this process's generation of the job (None: restarts)."""
+        init_distributed(cfg.device, self.membership)
         torch.use_deterministic_algorithms(True)
         self.cfg = cfg
         self.preemption = preemption
@@ -193,7 +190,7 @@ class Trainer:
         self.model.to(self.device)
         self.optimizer = ShardedAdamW(self.model, self.groups, lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
-        self.corpus = Corpus.load(cfg.data, cfg.model.seq_len)
+        self.corpus = corpus or Corpus.load(cfg.data, cfg.model.seq_len)
         self.sampler = BatchSampler(len(self.corpus.train), cfg.model.seq_len,
                                     cfg.batch_size * world, cfg.seed)
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
@@ -202,58 +199,27 @@ class Trainer:
         self.checkpointer = self.make_checkpointer()
         # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
         self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
-        self.step = 0
+        self.recovery: RecoveryLog | None = None
+
+    @staticmethod
+    def prepare(cfg: TrainConfig) -> Corpus:
+        """What a spare does while it waits (in-job recovery), so that none of it stands
+        between a fault and the next step: the data loaded, and torch's deterministic
+        mode set (its first call costs 0.7 s on the project's VM)."""
+        torch.use_deterministic_algorithms(True)
+        return Corpus.load(cfg.data, cfg.model.seq_len)
 
     def _agree_on_placement(self) -> int:
-        """The job's attempt, agreed by every rank; rank 0 logs where every rank runs:
-        its node (GROUP_RANK) and its node-local memory root (what a node fault wipes).
-        Collective, once per attempt.
-
-        The attempt is the largest of the agents' restart counts: each agent counts only
-        the failures of its own workers (one whose workers are still healthy when
-        another node re-joins restarts them uncounted), and any restart after a fault
-        has at least one agent counting it."""
-        mine = {"node": node_rank(), "shm_root": str(node_memory_root()),
-                "restart": restart_count()}
-        # moc's codec, never pickle (`all_gather_object`): docs/THREAT_MODEL.md.
-        everyone = Dist(self.groups).all_gather(mine)
-        attempt = max(r["restart"] for r in everyone)
-        self.metrics.emit("placement", attempt=attempt, device=self.cfg.device,
-                          nodes=[r["node"] for r in everyone],
-                          restarts=[r["restart"] for r in everyone],
-                          shm_roots=[r["shm_root"] for r in everyone])
+        """The job's attempt, agreed by every rank (`train.engines.agree_on_placement`).
+        Collective, once per attempt and generation."""
+        gen = self.membership.gen if self.membership is not None else 0
+        attempt, self.pids = agree_on_placement(self.groups, self.metrics, self.cfg.device,
+                                                gen)
         return attempt
 
     def make_checkpointer(self) -> CheckpointEngine | None:
         """The engine of `--ckpt-mode`; the loop drives every one through the contract."""
-        cfg = self.cfg
-        if cfg.ckpt_dir is None or cfg.ckpt_mode == "none":
-            return None
-        common: dict[str, Any] = {"groups": self.groups, "interval": cfg.ckpt_interval,
-                                  "keep_last": cfg.keep_last, "model_meta": self.model_meta()}
-        if cfg.ckpt_mode == "moc":
-            return TwoLevelCheckpointer(self.model, self.optimizer, cfg.ckpt_dir,
-                                        policy=self.policy(), persist_policy=cfg.persist_policy,
-                                        k_snapshot=cfg.k_snapshot, k_replica=cfg.k_replica,
-                                        replica_jump=cfg.replica_jump,
-                                        replica_rate=cfg.replica_rate, **common)
-        if cfg.ckpt_mode in DCP_MODES:
-            return DCPCheckpointer(self.model, self.optimizer, cfg.ckpt_dir, mode=cfg.ckpt_mode,
-                                   **common)
-        if cfg.ckpt_mode == "blocking":
-            return blocking_checkpointer(self.model, self.optimizer, cfg.ckpt_dir, **common)
-        # pec; --no-shard keeps the baseline's placement (rank 0 and EP group 0 write)
-        return Checkpointer(self.model, self.optimizer, cfg.ckpt_dir, policy=self.policy(),
-                            mode=cfg.ckpt_mode,
-                            placement=None if cfg.shard else MegatronPlacement(), **common)
-
-    def policy(self) -> PECPolicy:
-        cfg = self.cfg
-        return PECPolicy(k=cfg.k_persist, selection=cfg.selection, apply_to=cfg.pec_apply,
-                         dynamic_k=cfg.dynamic_k, plt_threshold=cfg.plt_threshold)
-
-    def model_meta(self) -> dict[str, Any]:
-        return self.cfg.model.to_dict()
+        return make_engine(self.cfg, self.model, self.optimizer, self.groups)
 
     def extra_state(self) -> dict[str, Any]:
         """The loop's own state; parameters, optimizer and RNG are saved as tensors."""
@@ -265,10 +231,10 @@ class Trainer:
     def restore(self, progress: StepProgress) -> int | None:
         if self.checkpointer is None:
             return None
-        last_seen = None
+        last = None  # the last step before the fault, as rank 0 logged it
         if self.is_main and self.cfg.metrics:
-            steps = [e["step"] for e in read_events(self.cfg.metrics) if e["event"] == "step"]
-            last_seen = max(steps) if steps else None
+            steps = [e for e in read_events(self.cfg.metrics) if e["event"] == "step"]
+            last = max(steps, key=lambda e: e["step"]) if steps else None
         # A rollback is the first attempt's: a restart after a fault continues the
         # rolled-back run from its newest step, not from the rollback's step again.
         rollback = self.cfg.resume_step if self.attempt == 0 else None
@@ -286,12 +252,19 @@ class Trainer:
                 else f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f}")
         progress.message(f"resumed from checkpoint step {result.step} "
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
-        self.metrics.emit("recovery", step=last_seen if last_seen is not None else result.step,
-                          resumed_from=result.step, source=result.source,
-                          sources=result.sources,
-                          recovery_s=result.recovery_s, restart=self.attempt,
-                          plt=result.plt, lost_tokens=result.lost_tokens,
-                          lost_per_layer=result.lost_per_layer)
+        in_job = self.membership is not None and self.membership.gen > 0
+        self.recovery = RecoveryLog(
+            last["time"] if last is not None else None, {
+                "step": last["step"] if last is not None else result.step,
+                "resumed_from": result.step, "source": result.source,
+                "sources": result.sources, "recovery_s": result.recovery_s,
+                "restart": self.attempt, "plt": result.plt,
+                "lost_tokens": result.lost_tokens, "lost_per_layer": result.lost_per_layer,
+                "kind": "in-job" if in_job else "restart",
+                "replaced": (self.membership.replaced() if in_job and self.is_main
+                             and self.membership is not None
+                             else list(range(self.groups.world_size))),
+                "pids": self.pids})
         if result.k != result.k_before:
             progress.message(f"Dynamic-K: PLT {result.plt:.4f} > {self.cfg.plt_threshold}, "
                              f"K {result.k_before} -> {result.k}")
@@ -330,8 +303,51 @@ class Trainer:
         return _mean_over_ranks(torch.stack(losses).mean(), self.groups)
 
     def run(self) -> RunResult:
+        """Train to the last step. In-job recovery (`moc.train.injob`): when a peer is
+        lost, this process rejoins the job's next generation and goes on from the
+        newest checkpoint, as many times as faults come."""
+        while True:
+            try:
+                return self._run()
+            except Exception as e:
+                if self.membership is None or not lost_peer(e):
+                    raise
+                self.rejoin(e)
+
+    def rejoin(self, error: BaseException) -> None:
+        """A peer was lost: destroy the process groups (so that a survivor blocked on
+        this rank fails too), let the engine go without a collective (its snapshots stay
+        in memory), form the next generation with the replacement, and rebind the same
+        model and optimizer to its groups. `run` then restores, every rank from where
+        its newest state is: this one from its own node's memory."""
+        membership = self.membership
+        assert membership is not None
+        membership.phase = "rejoin"
+        if self.is_main:
+            print(f"moc train: rank {self.rank}: lost a peer at step {self.step} "
+                  f"({str(error).splitlines()[0][:120]}); rejoining", file=sys.stderr,
+                  flush=True)
+        membership.leave()
+        if self.routing is not None:
+            self.routing.remove()
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+        membership.join("nccl" if self.cfg.device == "cuda" else "gloo")
+        self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
+        rebind_experts(self.model, self.groups)
+        self.optimizer.rebind(self.groups)
+        self.model.zero_grad(set_to_none=True)  # a half step's gradients
+        if self.preemption is not None:
+            self.preemption.regroup()
+        self.attempt = self._agree_on_placement()
+        self.checkpointer = self.make_checkpointer()
+        self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
+
+    def _run(self) -> RunResult:
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self.membership is not None:
+            self.membership.phase = "restore"
         progress = StepProgress(cfg.steps, enabled=self.is_main, bar=False)  # messages
         resumed_from = self.restore(progress)
         result = RunResult(cfg.steps, float("nan"), float("nan"), 0.0, resumed_from=resumed_from)
@@ -349,6 +365,8 @@ class Trainer:
                                 bar=cfg.progress)
         loss = float("nan")
         self.model.train()
+        if self.membership is not None:
+            self.membership.phase = "train"
         while self.step < cfg.steps:
             self.step += 1
             maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer,
@@ -369,19 +387,30 @@ class Trainer:
                 self.metrics.emit("step", step=self.step, loss=loss, step_time_s=step_time,
                                   tokens=tokens, lr=cfg.lr_at(self.step),
                                   cpu_s=time.process_time())
+            if self.recovery is not None:  # the first step after a recovery
+                downtime = self.recovery.emit(self.metrics)
+                if downtime is not None:
+                    progress.message(f"back to training {downtime:.2f}s after the last "
+                                     "step before the fault")
+                self.recovery = None
+            if (self.membership is not None and self.membership.stepped(step_time)
+                    and os.environ.get(ENV_PRESTART)):
+                prestart()  # training is back: the next engine's persist process
             note = ""
             if ckpt is not None and ckpt.pending:
                 for res in ckpt.drain_completed():
-                    note = self._report(result, res, progress)
+                    note = report_checkpoint(self.metrics, progress, result, res, self.step)
             progress.update(self.step, loss, note)
             if stop:
                 result.preempted = self.step
                 break
         progress.close()  # a run resumed at its last step never reached an update
+        if self.membership is not None:
+            self.membership.phase = "finish"
         if self.checkpointer is not None:
             self.checkpointer.flush()
             for res in self.checkpointer.drain_completed():
-                self._report(result, res, progress)
+                report_checkpoint(self.metrics, progress, result, res, self.step)
         result.final_loss = loss
         if result.preempted is None:  # a preempted job has seconds left, not a validation
             self.model.eval()
@@ -398,51 +427,8 @@ class Trainer:
         self.metrics.emit("summary", steps=self.step, final_loss=result.final_loss,
                           val_loss=result.val_loss, wall_s=result.wall_s, **memory)
         if self.is_main and result.preempted is None:
-            progress.message(self.summary(result))
+            progress.message(summary(self.cfg, self.groups, self.model, result))
         return result
-
-    def _report(self, result: RunResult, res: CheckpointResult, progress: StepProgress) -> str:
-        """Log one finished checkpoint; the progress bar's note for it."""
-        if res.k_snapshot_chosen:
-            chosen = res.k_snapshot_chosen
-            self.metrics.emit("k_snapshot", step=res.step, k=chosen["k_snapshot"],
-                              window_s=chosen["window_s"], plan_s=chosen["plan_s"],
-                              copy_Bps=chosen["copy_Bps"], copy_s=chosen.get("copy_s"),
-                              reason=chosen.get("reason"))
-            why = f": {chosen['reason']}" if chosen.get("reason") else ""
-            progress.message(f"K_snapshot = {res.k_snapshot} (auto){why}")
-        event = res.event()
-        error = event.pop("error")
-        if error and event["step"] == self.step:
-            result.final_error = error
-        if error:
-            self.metrics.emit("checkpoint_failed", step=event["step"], error=error)
-            progress.message(f"checkpoint of step {event['step']} failed, training goes on "
-                             f"from the previous one: {error}")
-            return ""
-        result.checkpoints.append(event)
-        self.metrics.emit("checkpoint", **event)
-        return f" ckpt {event['bytes'] / 1e6:.1f} MB, stall {event['stall_s']:.3f}s"
-
-    def summary(self, r: RunResult) -> str:
-        cfg, g = self.cfg, self.groups
-        rows = [
-            ("config", f"{cfg.preset} ({sum(p.numel() for p in self.model.parameters()):,} "
-                       f"params on rank 0)"),
-            ("ranks / ep", f"{g.world_size} / {g.layout.ep}"),
-            ("steps", f"{r.steps}" + (f" (resumed from {r.resumed_from})"
-                                       if r.resumed_from is not None else "")),
-            ("final train loss", f"{r.final_loss:.4f}"),
-            ("validation loss", f"{r.val_loss:.4f}"),
-            ("wall time", f"{r.wall_s:.1f}s (this attempt)"),
-        ]
-        if r.checkpoints:
-            stalls = [c["stall_s"] for c in r.checkpoints]
-            mean_mb = statistics.mean(c["bytes"] for c in r.checkpoints) / 1e6
-            rows += [("checkpoints", f"{len(r.checkpoints)} x {cfg.ckpt_mode}, "
-                                     f"{mean_mb:.1f} MB on average"),
-                     ("median stall", f"{statistics.median(stalls):.3f}s")]
-        return "\n" + table(rows, "moc train summary")
 
     def close(self) -> None:
         """Collective: close the engine (the final checkpoint durable, its shared memory

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -96,3 +97,21 @@ def table(rows: list[tuple[str, str]], title: str) -> str:
     lines = [title, "-" * max(len(title), width + 2 + max(len(v) for _, v in rows))]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+@dataclass
+class RecoveryLog:
+    """A recovery's event, written once the first step after it is done: only then is
+    its downtime known, from the last step done before the fault (`last_step_time`,
+    the wall clock rank 0 logged; None: no step was logged) to that one. What a fault
+    cost the run, all of it: noticing it, a restart or a re-formation, the restore."""
+
+    last_step_time: float | None
+    fields: dict[str, Any]
+
+    def emit(self, metrics: MetricsWriter) -> float | None:
+        """Write the event; its downtime (None: unknown)."""
+        downtime = (time.time() - self.last_step_time if self.last_step_time is not None
+                    else None)
+        metrics.emit("recovery", **self.fields, downtime_s=downtime)
+        return downtime

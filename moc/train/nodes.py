@@ -99,7 +99,8 @@ def die_with_parent() -> Callable[[], None] | None:
 
 
 def agent_argv(nodes: int, nproc: int, max_restarts: int, endpoint: str, run_id: str,
-               worker: list[str], shutdown_s: int = 30) -> list[str]:
+               worker: list[str], shutdown_s: int = 30, module: str = "moc.train"
+               ) -> list[str]:
     """The torchrun command line of one simulated node (the same for every node: c10d
     gives each its node rank), run by `moc.train.agent` (torchrun, ending in one line).
     `shutdown_s`: how long it gives its workers, once it forwarded a signal to them,
@@ -108,7 +109,7 @@ def agent_argv(nodes: int, nproc: int, max_restarts: int, endpoint: str, run_id:
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--max-restarts", str(max_restarts), "--shutdown-timeout", str(shutdown_s),
-            "--module", "moc.train", *worker]
+            "--module", module, *worker]
 
 
 def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
@@ -125,7 +126,7 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
-              gpus: int = 0, shutdown_s: int = 30) -> int:
+              gpus: int = 0, shutdown_s: int = 30, module: str = "moc.train") -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -155,7 +156,8 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
         for node in range(nodes):
             (root / f"node-{node}").mkdir(mode=0o700)
             agents.append(subprocess.Popen(
-                agent_argv(nodes, nproc, max_restarts, endpoint, run_id, worker, shutdown_s),
+                agent_argv(nodes, nproc, max_restarts, endpoint, run_id, worker, shutdown_s,
+                           module),
                 env=node_env(root, node, nproc, gpus), preexec_fn=die_with_parent(),
                 start_new_session=True))
         codes = _wait(agents, signals, shutdown_s + TERMINATE_S)

@@ -14,9 +14,11 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     sizing           K_snapshot: how many experts a snapshot holds, which, and `auto`
     protocol         the typed messages between the ranks and the persist process
     persist          the persist process (server) and a rank's end of it (client)
+    prestart         persist processes started ahead of need (stdlib only)
     commit           the commit across nodes: begin, parts, records on storage
     nodes            which ranks share a node; each node's leader; its memory's root
     replica          a snapshot sent to, and kept in, another node's memory
     replication      this rank's replica rounds, on the snapshot thread
     memory_restore   recovery from memory: own node's, a peer's replica, or none
+    restore          the engine's restore: memory where every rank can, else storage
 """

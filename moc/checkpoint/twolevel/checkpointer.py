@@ -81,19 +81,16 @@ from moc.checkpoint.api import (
 from moc.checkpoint.dist import raise_failures
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES
-from moc.checkpoint.lineage import Lineage
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.recovery import resume_from_storage, warn_interrupted_commits
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor
-from moc.checkpoint.twolevel.memory_restore import MemoryQuery, restore_from_memory
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.planner import PlanConfig, SnapshotPlanner
 from moc.checkpoint.twolevel.reader import StorageReader
+from moc.checkpoint.twolevel.restore import restore_engine
 from moc.checkpoint.twolevel.results import Checkpoints
 from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
 from moc.checkpoint.twolevel.slots import default_job_id, job_dir, remove_job
@@ -360,36 +357,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         middle of a run must not race the snapshot thread's collective, nor leave a
         persist that commits after the restore.
         """
-        p, snapshots = self.parts, self.snapshots
         self.flush()
-        if p.groups.rank == 0:
-            warn_interrupted_commits(p.root, repair=p.tidy is not None)
-        storage = p.dist.broadcast(p.storage.steps())
-        if not p.storage.exists():
-            # The checkpoint directory is gone (a fresh start was asked for): snapshots
-            # left in memory by an earlier run of it must not be resumed.
-            snapshots.invalidate_newer_than(-1)
-        mem = None
-        if step is None:
-            mem = restore_from_memory(MemoryQuery(
-                snapshots.store, p.root, p.state, p.dist, storage, p.layout, p.model_meta,
-                p.chain.tracked_kind, p.run_id, snapshots.peers))
-        if mem is None:
-            self.books.restored_from_storage()
-            report = resume_from_storage(p.root, p.state, p.dist, p.model_meta, p.chain,
-                                         p.ledger, p.tidy, restored=p.restored, run_id=p.run_id,
-                                         step=step, commits_checked=True)
-            snapshots.invalidate_newer_than(report.step if report is not None else -1)
-            self.persist.add_tidy(self.parts.tidy)
-            return report
-        snapshots.invalidate_newer_than(mem.step)
-        self.persist.add_tidy(self.parts.tidy)
-        p.restored(mem.step, Lineage.from_json(mem.meta["line"], "snapshot lineage"))
-        # The chain continues from storage (the snapshot's line continues it).
-        self.books.restored_from_memory(
-            mem.slot, int(mem.meta.get("snap_index", -1)), mem.meta["ledger"],
-            Manifest.load(p.root, storage[-1]) if storage else None)
-        return mem.report(p.ledger.recover(mem.at_copy, mem.meta, mem.stale))
+        try:
+            return restore_engine(self.parts, self.snapshots, self.books, step)
+        finally:
+            self.persist.add_tidy(self.parts.tidy)  # what the read path left to tidy
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -414,22 +386,44 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             # A retention error learned in that flush has no later plan to share it.
             failures = p.dist.agree(self.books.take_unshared())
         finally:
-            try:
-                self._step_hook.remove()
-                self.persist.stop()
-            finally:
-                self.snapshots.release()
-                if self.nodes.is_leader(p.groups.rank) and not keep_snapshots:
-                    remove_unless_needed(self.job, self.snapshots.newest_step(), p.storage,
-                                         self.books.persist_alive)
-                if p.retention is not None:
-                    p.retention.close()
-                p.release()
+            self._release(self.persist.stop, remove_memory=not keep_snapshots)
         self._raise_failure()
         raise_failures(failures, p.groups.world_size)
         lost = self._persist_lost()
         if lost:
             raise CheckpointError(lost)
+
+    def abandon(self) -> None:
+        """`CheckpointEngine.abandon`: the snapshot being taken fails on the destroyed
+        groups (waited for, not raised), the snapshot thread and the replica rounds end,
+        the persist process is killed (its step is abandoned, never half-committed: a
+        commit is atomic) and the slots are unmapped. The snapshots stay in the node's
+        memory: the new engine restores from them."""
+        self._handle = None
+        try:
+            self._release(self.persist.abandon, remove_memory=False)
+        except CheckpointError as e:  # retention's: there is no caller to raise it to
+            log.warning("retention did not stop cleanly while abandoning the engine: %s", e)
+
+    def _release(self, end_persist: Callable[[], None], remove_memory: bool) -> None:
+        """The end of `close` and `abandon`: the optimizer hook, the persist process
+        (`end_persist`), the snapshot thread (after its work) and the slots, this job's
+        shared memory on a node's leader when `remove_memory` (`remove_unless_needed`),
+        retention (its error raised) and the directory's lock, whatever fails."""
+        p = self.parts
+        try:
+            self._step_hook.remove()
+            end_persist()
+        finally:
+            self.snapshots.release()
+            try:
+                if remove_memory and self.nodes.is_leader(p.groups.rank):
+                    remove_unless_needed(self.job, self.snapshots.newest_step(), p.storage,
+                                         self.books.persist_alive)
+                if p.retention is not None:
+                    p.retention.close()
+            finally:
+                p.release()
 
     def _persist_lost(self) -> str | None:
         """What to say when the persist process is gone for good (None: it is not)."""

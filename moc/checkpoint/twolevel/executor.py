@@ -131,6 +131,10 @@ class PersistExecutor:
     def stop(self) -> None:
         self.client.stop()
 
+    def abandon(self) -> None:
+        """In-job recovery: the process ends now, its outcomes are never awaited."""
+        self.client.abandon()
+
     # -- requests -------------------------------------------------------------------------
 
     def execute(self, request: PersistRequest) -> Future[Done]:

@@ -4,7 +4,8 @@ A separate process, not a thread of a training process: writing hundreds of MB a
 checksumming them would otherwise contend for the GIL with training. The messages it
 exchanges with the ranks, and why they cannot carry code, are in `twolevel.protocol`.
 
-    serve(job, root, parent_pid)   the persist process (server); its secret on stdin
+    serve_on()                     the persist process (server): what to serve, and its
+                                   secret, on stdin (`twolevel.prestart` starts one ahead)
     PersistClient                  a training rank's end: the process (rank 0 starts it,
                                    and restarts it when it dies), the connection (every
                                    rank reconnects to a restarted one), liveness, timeouts
@@ -57,6 +58,7 @@ from moc.checkpoint.store.steps import (
 )
 from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.store.tidy import tidy
+from moc.checkpoint.twolevel import prestart
 from moc.checkpoint.twolevel.commit import (
     Abandoned,
     clear_records,
@@ -174,19 +176,19 @@ class PersistClient:
         before it listens (its own error is on stderr), and never leaves it running
         when the connection fails."""
         secret = write_secret(self.jdir, self.generation)
-        # -c rather than -m: the process imports only what serving needs. The secret
-        # goes on stdin: argv and the environment of a process are readable by others.
         assert self._spawner is not None
-        process = self._spawner.submit(
-            subprocess.Popen,
-            [sys.executable, "-c", "import sys; from moc.checkpoint.twolevel.persist "
-             "import serve; serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
-             self.job, self.storage.name, str(os.getpid())], stdin=subprocess.PIPE).result()
+        # On the spawner's thread, whose scheduling class a new process inherits (the
+        # prestarted one taken is replaced there too).
+        process = self._spawner.submit(lambda: prestart.take() or prestart.spawn()).result()
         self.process = process
         try:
             assert process.stdin is not None
+            # What to serve goes on stdin: argv and the environment of a process are
+            # readable by others, and a prestarted process learns it only now.
+            order = {"job": self.job, "root": self.storage.name, "parent": os.getpid(),
+                     "secret": secret.hex()}
             with contextlib.suppress(BrokenPipeError):  # it died: _connect says so
-                process.stdin.write(secret.hex().encode() + b"\n")
+                process.stdin.write(json.dumps(order).encode() + b"\n")
                 process.stdin.close()
             self._conn = _connect(self.jdir, lambda: secret, process)
         except BaseException:
@@ -279,18 +281,24 @@ class PersistClient:
                 self._conn.close()
                 self._conn = None
 
-    def stop(self) -> None:
-        """Rank 0: ask the process to stop and wait for it (killing it after
-        STOP_TIMEOUT_S); every rank: close the connection."""
+    def abandon(self) -> None:
+        """The job's process groups are gone (in-job recovery): `stop` at once."""
+        self.stop(at_once=True)
+
+    def stop(self, at_once: bool = False) -> None:
+        """A leader: ask the process to stop and wait for it (killing it after
+        STOP_TIMEOUT_S), or with `at_once` kill it now (what it was persisting is
+        abandoned: an uncommitted step is never read, and the next process tidies what
+        it left); every rank: close the connection."""
         try:
-            if self.leader:
-                self.send(Stop())
-                if self.process is not None:
-                    try:
-                        self.process.wait(timeout=STOP_TIMEOUT_S)
-                    except subprocess.TimeoutExpired:
-                        self.process.kill()
-                        self.process.wait()
+            if self.leader and self.process is not None:
+                if not at_once:
+                    self.send(Stop())
+                try:
+                    self.process.wait(timeout=0 if at_once else STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
         finally:
             self._close()
             if self._spawner is not None:
@@ -326,6 +334,17 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
 
 
 # -- the server: the persist process -----------------------------------------------------
+
+
+def serve_on() -> None:
+    """Entry point of a persist process: wait for one JSON line on stdin saying what to
+    serve (job, root, parent pid, secret as hex), then `serve` it; exit at EOF (the
+    process that started it ended without using it)."""
+    line = sys.stdin.readline()
+    if not line:
+        return
+    order = json.loads(line)
+    serve(order["job"], order["root"], int(order["parent"]), bytes.fromhex(order["secret"]))
 
 
 def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:

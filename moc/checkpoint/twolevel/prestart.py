@@ -1,0 +1,64 @@
+"""Persist processes started ahead of need: only the standard library, so that a process
+can start one before it imports torch (`moc.train.host` loads this file first).
+
+    prestart()        have one persist process of this process's waiting, imported
+    take()            the waiting one, if any
+    spawn()           a persist process now (`persist.serve_on`: what to serve on stdin)
+
+A node leader's engine needs its persist process up before the engine is built
+(`PersistExecutor.start`), and a new persist process costs an interpreter and torch's
+import: 1.5 s on the project's VM, the largest term of an in-job recovery. With one
+prestarted, the new engine of a survivor (in-job recovery rebuilds it) or of a
+replacement process finds it imported and waiting, and its start costs a connection.
+The waiting process costs its memory, so only processes that expect to build engines
+prestart: the training processes of `--recovery in-job` on a node's leader, at their
+start and again once training is back after a recovery (not earlier: an interpreter
+importing torch would slow the restore and the first steps, on the same cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+_waiting: list[subprocess.Popen] = []
+
+
+def spawn() -> subprocess.Popen:
+    """A persist process, imported and waiting on stdin for what to serve. -c rather
+    than -m: it imports only what serving needs. It exits at EOF, unused: when the
+    process that started it ends. It runs at the persist process's low priority from
+    its first instruction (`worker.lower_process_priority`, which it applies again),
+    so that its start-up, torch's import, takes the cores only when training leaves
+    them."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "from moc.checkpoint.twolevel.persist import serve_on; "
+         "serve_on()"], stdin=subprocess.PIPE, preexec_fn=_lower_priority)
+
+
+def _lower_priority() -> None:
+    """In the child before it runs Python: niceness 10 (the persist process lowers it
+    further itself where MOC_CKPT_PRIORITY asks) unless MOC_CKPT_PRIORITY says
+    "normal" (an invalid value fails later, in the engine's own check)."""
+    if os.environ.get("MOC_CKPT_PRIORITY", "nice") != "normal":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, 10)
+
+
+def prestart() -> None:
+    """Have one persist process waiting (a no-op while one is). Call it on the main
+    thread: a process keeps the scheduling class of the thread that started it."""
+    if not any(p.poll() is None for p in _waiting):
+        _waiting.clear()
+        _waiting.append(spawn())
+
+
+def take() -> subprocess.Popen | None:
+    """The waiting persist process (None: none, or it died)."""
+    while _waiting:
+        process = _waiting.pop()
+        if process.poll() is None:
+            return process
+    return None

@@ -1,0 +1,75 @@
+"""What a training process builds around its model that depends on the job, not on the
+step: the checkpoint engine of `--ckpt-mode`, and the placement every rank agrees on.
+Built at the start and again after an in-job recovery (new process groups, new engine)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
+from moc.baselines.dcp import DCP_MODES, DCPCheckpointer
+from moc.checkpoint.api import CheckpointEngine
+from moc.checkpoint.dist import Dist
+from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.sync import Checkpointer
+from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.nodes import node_memory_root
+from moc.parallel import ParallelGroups, ShardedAdamW
+from moc.topology import node_rank, restart_count
+from moc.train.config import TrainConfig
+from moc.train.metrics import MetricsWriter
+
+
+def make_engine(cfg: TrainConfig, model: nn.Module, optimizer: ShardedAdamW,
+                groups: ParallelGroups) -> CheckpointEngine | None:
+    """The engine of `--ckpt-mode` over `groups` (None: no checkpoints); the loop drives
+    every one through the contract."""
+    if cfg.ckpt_dir is None or cfg.ckpt_mode == "none":
+        return None
+    common: dict[str, Any] = {"groups": groups, "interval": cfg.ckpt_interval,
+                              "keep_last": cfg.keep_last, "model_meta": cfg.model.to_dict()}
+    if cfg.ckpt_mode == "moc":
+        return TwoLevelCheckpointer(model, optimizer, cfg.ckpt_dir, policy=pec_policy(cfg),
+                                    persist_policy=cfg.persist_policy,
+                                    k_snapshot=cfg.k_snapshot, k_replica=cfg.k_replica,
+                                    replica_jump=cfg.replica_jump,
+                                    replica_rate=cfg.replica_rate, **common)
+    if cfg.ckpt_mode in DCP_MODES:
+        return DCPCheckpointer(model, optimizer, cfg.ckpt_dir, mode=cfg.ckpt_mode, **common)
+    if cfg.ckpt_mode == "blocking":
+        return blocking_checkpointer(model, optimizer, cfg.ckpt_dir, **common)
+    # pec; --no-shard keeps the baseline's placement (rank 0 and EP group 0 write)
+    return Checkpointer(model, optimizer, cfg.ckpt_dir, policy=pec_policy(cfg),
+                        mode=cfg.ckpt_mode,
+                        placement=None if cfg.shard else MegatronPlacement(), **common)
+
+
+def pec_policy(cfg: TrainConfig) -> PECPolicy:
+    return PECPolicy(k=cfg.k_persist, selection=cfg.selection, apply_to=cfg.pec_apply,
+                     dynamic_k=cfg.dynamic_k, plt_threshold=cfg.plt_threshold)
+
+
+def agree_on_placement(groups: ParallelGroups, metrics: MetricsWriter, device: str,
+                       generation: int = 0) -> tuple[int, list[int]]:
+    """The job's attempt and every rank's process id, agreed by every rank; rank 0 logs
+    where every rank runs: its node (GROUP_RANK), its node-local memory root (what a node
+    fault wipes) and its process. Collective.
+
+    The attempt is the largest of the agents' restart counts, plus the in-job
+    `generation`: each agent counts only the failures of its own workers (one whose
+    workers are still healthy when another node re-joins restarts them uncounted), and
+    any restart after a fault has at least one agent counting it."""
+    mine = {"node": node_rank(), "shm_root": str(node_memory_root()),
+            "restart": restart_count(), "pid": os.getpid()}
+    # moc's codec, never pickle (`all_gather_object`): docs/THREAT_MODEL.md.
+    everyone = Dist(groups).all_gather(mine)
+    attempt = max(r["restart"] for r in everyone) + generation
+    pids = [r["pid"] for r in everyone]
+    metrics.emit("placement", attempt=attempt, device=device,
+                 nodes=[r["node"] for r in everyone],
+                 restarts=[r["restart"] for r in everyone], generation=generation, pids=pids,
+                 shm_roots=[r["shm_root"] for r in everyone])
+    return attempt, pids

@@ -1,0 +1,304 @@
+"""The rank host: what torchrun starts for each rank under `moc train --recovery in-job`.
+
+    torchrun agent (one per node)
+      rank host (one per rank; torchrun's worker, never dies of a fault)
+        training process (`python -m moc.train`), replaced when it dies or hangs
+        standby (`--spares 1`): a training process already imported, waiting for its turn
+
+torchrun's agent tears every worker of the job down when one of them fails, and its
+re-rendezvous makes every other node's agent restart theirs: the restart that costs a
+fault 7-9 s here and a minute on a GPU cluster. The host stands between: a training
+process that dies is replaced by its host in place, the job moves to the next generation
+of its membership (`moc.train.injob`), and the survivors, whose collectives fail,
+re-form their process groups with the newcomer without leaving their processes.
+
+A hang is a fault too. The training process writes a heartbeat every 0.1 s (`injob`);
+the host SIGKILLs it, and replaces it, when the heartbeats stop (SIGSTOP, a frozen
+process) or when its step stops advancing while it is training and not waiting in a
+collective (an endless loop in user code), for the hang timeout: `--hang-timeout`, by
+default HANG_FACTOR times the median step time the process reports, at least
+HANG_FLOOR_S (START_HANG_S before any step was timed).
+
+How the host ends: with its training process's status when that process exits on its
+own (0: done; 2: a bad argument; 128 + n: preempted by signal n), and 1 after more than
+`--max-replacements` replacements, which hands the job to torchrun's restart (if
+--max-restarts allows). A SIGTERM or SIGINT is passed on to the training process (it
+stops at a step boundary with a final checkpoint, `moc.Preemption`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from moc.checkpoint.twolevel import prestart
+from moc.train.injob import (
+    ENV_FD,
+    ENV_GEN,
+    ENV_PRESTART,
+    ENV_STANDBY,
+    PREFIX,
+    gen_key,
+    next_generation,
+)
+from moc.train.nodes import die_with_parent
+
+HANG_FACTOR = 10.0
+HANG_FLOOR_S = 5.0
+START_HANG_S = 120.0
+"""Before the training process has timed a step: start-up, the restore, the first step."""
+POLL_S = 0.02
+BOOT = """\
+import importlib.util, os, runpy, sys
+spec = importlib.util.spec_from_file_location("moc.checkpoint.twolevel.prestart", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+if os.environ.get("MOC_INJOB_PRESTART") and os.environ.get("LOCAL_RANK", "0") == "0":
+    module.prestart()
+sys.argv = ["moc.train", *sys.argv[2:]]
+runpy.run_module("moc.train", run_name="__main__", alter_sys=True)
+"""
+"""A training process's first lines: a node's leader starts its persist process ahead
+(`twolevel.prestart`, stdlib only, loaded by its path before anything imports torch), so
+that its import runs beside the training process's own; then `python -m moc.train`."""
+
+
+@dataclass
+class Child:
+    """One training process and what its heartbeats said."""
+
+    process: subprocess.Popen
+    pipe: int
+    """The read end of its heartbeat pipe."""
+    started: float = field(default_factory=time.monotonic)
+    beat: float | None = None
+    """When the last heartbeat came (None: none yet)."""
+    progress: float = field(default_factory=time.monotonic)
+    """When its step last advanced, or it last waited on its peers, or was not training."""
+    last: dict[str, Any] = field(default_factory=dict)
+    """Its last heartbeat."""
+    buffer: bytes = b""
+    joined: int = 0
+    """The generation it was started in (its heartbeats say where it is now)."""
+
+    @property
+    def gen(self) -> int:
+        """The generation it is in, as far as its heartbeats tell."""
+        return int(self.last.get("gen", self.joined))
+
+    def read(self) -> None:
+        """Take in the heartbeats that arrived."""
+        while select.select([self.pipe], [], [], 0)[0]:
+            chunk = os.read(self.pipe, 65536)
+            if not chunk:
+                return
+            self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        now = time.monotonic()
+        for line in lines:
+            beat = json.loads(line)
+            if (beat.get("step") != self.last.get("step") or beat.get("waiting")
+                    or beat.get("phase") != "train"):
+                self.progress = now
+            self.beat, self.last = now, beat
+
+    def hung(self, timeout_s: float | None) -> str | None:
+        """Why this process counts as hung now (None: it does not)."""
+        now = time.monotonic()
+        step_s = self.last.get("step_s")
+        limit = timeout_s or (max(HANG_FLOOR_S, HANG_FACTOR * step_s) if step_s
+                              else START_HANG_S)
+        if now - (self.beat or self.started) > max(limit, HANG_FLOOR_S if self.beat
+                                                     else START_HANG_S):
+            return f"no heartbeat for {now - (self.beat or self.started):.1f}s"
+        if now - self.progress > limit:
+            return (f"no step for {now - self.progress:.1f}s (at step "
+                    f"{self.last.get('step')}, not waiting for a peer)")
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.pipe)
+
+
+class RankHost:
+    """One rank's host (see the module docstring). Owner: its main thread."""
+
+    def __init__(self, argv: list[str], spares: int, hang_timeout_s: float | None,
+                 max_replacements: int, prestart: bool = False) -> None:
+        self.argv = argv
+        self.prestart = prestart
+        """Whether a node leader's training process starts its persist process ahead."""
+        self.refill_due = False
+        """A spare was used: start the next once the newcomer trains (not before: its
+        start-up would slow the restore and the first steps, on the same cores)."""
+        self.rank = int(os.environ["RANK"])
+        self.spares = spares
+        self.hang_timeout_s = hang_timeout_s
+        self.max_replacements = max_replacements
+        self.replacements = 0
+        self.store = _serve_store()
+        self.standby: Child | None = None
+        self.signal: int | None = None
+        self.child: Child | None = None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._forward)
+
+    def run(self) -> int:
+        self.child = self._start(gen=None)
+        self._refill()
+        while True:
+            why, code = self._watch(self.child)
+            if why is None:
+                self._end_standby()
+                return code
+            if self.signal is not None:  # stopping anyway: no replacement
+                self._end_standby()
+                return 128 + self.signal
+            if self.replacements >= self.max_replacements:
+                self._say(f"{why}; {self.replacements} replacements already "
+                          "(--max-replacements): giving up")
+                self._end_standby()
+                return 1
+            self.replacements += 1
+            self.child = self._replace(why, self.child)
+
+    # -- faults --------------------------------------------------------------------------
+
+    def _watch(self, child: Child) -> tuple[str | None, int]:
+        """Until the process ends or hangs: (None, its status) when it exited by itself,
+        else (why it is a fault, its status)."""
+        while True:
+            child.read()
+            code = child.process.poll()
+            if code is not None:
+                child.read()
+                child.close()
+                if code >= 0:
+                    return None, code
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ \
+                    else str(-code)
+                return f"process {child.process.pid} died ({name})", code
+            if self.refill_due and child.last.get("trained", 0) >= 1:
+                self.refill_due = False
+                self._refill()
+            hung = child.hung(self.hang_timeout_s) if self.signal is None else None
+            if hung is not None:
+                child.process.kill()
+                child.process.wait()
+                child.close()
+                return f"process {child.process.pid} hung ({hung}); killed", -9
+            time.sleep(POLL_S)
+
+    def _replace(self, why: str, lost: Child) -> Child:
+        """Move the job past the generation the lost process was in (unless a survivor
+        already did) and start, or wake, this rank's newcomer in the next one."""
+        gen = next_generation(self.store, lost.gen)
+        self.store.set(f"{gen_key(gen)}/replaced/{self.rank}", why)
+        child, spare = (self.standby, True) if self.standby is not None else (None, False)
+        if child is not None:
+            self.standby = None
+            self._wake(child, gen)
+        else:
+            child = self._start(gen)
+        self._say(f"{why}; replaced by {'its spare, ' if spare else ''}process "
+                  f"{child.process.pid} in generation {gen}")
+        self.refill_due = bool(self.spares)
+        return child
+
+    # -- processes -----------------------------------------------------------------------
+
+    def _start(self, gen: int | None, standby: bool = False) -> Child:
+        read, write = os.pipe()
+        env = dict(os.environ)
+        env[ENV_FD] = str(write)
+        if gen is not None:
+            env[ENV_GEN] = str(gen)
+        if standby:
+            env[ENV_STANDBY] = "1"
+        if self.prestart:
+            env[ENV_PRESTART] = "1"
+        process = subprocess.Popen(
+            [sys.executable, "-c", BOOT, prestart.__file__, *self.argv], env=env,
+            pass_fds=(write,),
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
+            preexec_fn=die_with_parent())
+        os.close(write)
+        return Child(process, read, joined=gen or 0)
+
+    def _refill(self) -> None:
+        """With --spares: a standby, imported and waiting, for the next fault."""
+        if self.spares and self.standby is None:
+            self.standby = self._start(None, standby=True)
+
+    def _wake(self, child: Child, gen: int) -> None:
+        assert child.process.stdin is not None
+        child.process.stdin.write(json.dumps({"gen": gen}).encode() + b"\n")
+        child.process.stdin.close()
+        child.started = child.progress = time.monotonic()
+        child.joined = gen
+
+    def _end_standby(self) -> None:
+        if self.standby is not None:
+            with contextlib.suppress(OSError):
+                assert self.standby.process.stdin is not None
+                self.standby.process.stdin.close()  # EOF: it exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.standby.process.wait(timeout=5)
+            if self.standby.process.poll() is None:
+                self.standby.process.kill()
+                self.standby.process.wait()
+            self.standby.close()
+            self.standby = None
+
+    def _forward(self, signum: int, frame: object) -> None:
+        self.signal = self.signal or signum
+        if self.child is not None and self.child.process.poll() is None:
+            self.child.process.send_signal(signum)
+
+    def _say(self, line: str) -> None:
+        print(f"moc train: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+
+
+def _serve_store() -> Any:
+    """The job's store: served by torchrun's agent on one node (its shared store), by
+    rank 0's host across simulated nodes (each rendezvous round's fresh port), where a
+    training process would take it down with it."""
+    import torch.distributed as dist
+
+    from moc.topology import COLLECTIVE_TIMEOUT, restart_count
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]) if not agent and rank == 0 else None,
+                          is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"{PREFIX}/attempt-{restart_count()}", store)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--spares", type=int, default=0)
+    parser.add_argument("--hang-timeout", type=float)
+    parser.add_argument("--max-replacements", type=int, default=100)
+    parser.add_argument("--ckpt-mode", default="moc")
+    parser.add_argument("--ckpt-dir")
+    known, _ = parser.parse_known_args(argv)
+    return RankHost(argv, known.spares, known.hang_timeout, known.max_replacements,
+                    prestart=known.ckpt_mode == "moc" and known.ckpt_dir is not None).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
