@@ -14,9 +14,11 @@ restart measures recovery (from memory where the strategy keeps snapshots). Stra
 Per strategy: median and p90 stall per checkpoint, median step time of steps without and
 with a checkpoint, throughput against `none` (over all steps, and in the steady state
 after the first checkpoints' one-time costs), bytes per checkpoint, per-rank imbalance,
-persist time, restore time from storage and from memory, and the host memory that
-checkpointing holds. Under "limits", the same run measures the disk's sequential write
-bandwidth with fsync and the host's memcpy bandwidth.
+persist time, restore time from storage and from memory, the fault's downtime (from the
+last step before it to the first after it: detection, restart, restore; `moc simulate`
+takes it for R), and the host memory that checkpointing holds. Under "limits", the same
+run measures the disk's sequential write bandwidth with fsync and the host's memcpy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -196,18 +198,17 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     summary = [e for e in events if e["event"] == "summary"][-1]
     partial = name == "moc"
     later = ckpts[1:] if partial and len(ckpts) > 1 else ckpts
-    restore: dict[str, float | None] = {"memory": None, "storage": None, "peer": None}
-    for r in recoveries:
-        restore[r["source"]] = r["recovery_s"]
+    figures = recovery_figures(recoveries)
     if name.startswith("moc"):
         # The job finished and removed its snapshots: a new start reads storage, from
-        # the disk rather than the page cache.
+        # the disk rather than the page cache. Its restore time counts; its "downtime"
+        # does not (no fault: it spans this function's own work between the runs).
         drop_page_cache(workdir / "ckpt")
         before = len(recoveries)
         more = [e for e in train_run([*common, *STRATEGIES[name], *blocks], workdir)
                 if e["event"] == "recovery"][before:]
         if more:
-            restore["storage"] = more[0]["recovery_s"]
+            figures["restore_storage_s"] = more[0]["recovery_s"]
     # The steps that checkpoint (that would, in `none`).
     due = {s for s in step_times if s % interval == 0 and in_checkpoint_block(s, paired)}
     plain = [t for s, t in step_times.items() if s not in due]
@@ -254,9 +255,7 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "persist_s": statistics.median(persist) if persist else None,
         "persist_Bps": statistics.median(rates) if rates else None,
         "persist_skipped": sum(1 for e in ckpts if e.get("persist_skipped")),
-        "restore_storage_s": restore["storage"],
-        "restore_memory_s": restore["memory"],
-        "restore_peer_s": restore["peer"],
+        **figures,
         # This rank's (rank 0's) peer replica per checkpoint: bytes sent to the next
         # node's memory, and the time its round took on the snapshot thread.
         "replica_bytes_per_rank": (int(statistics.median(replicas))
@@ -279,6 +278,27 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "checkpoints": len(ckpts),
         **paired_figures,
     }
+
+
+SOURCES = ("memory", "storage", "peer")
+"""Where a recovery's restore read, as its event says ("mixed" ones are not reported)."""
+
+
+def recovery_figures(recoveries: list[dict[str, Any]]) -> dict[str, Any]:
+    """From a run's `recovery` events: per source, the restore time (`recovery_s`) and the
+    downtime (`downtime_s`: from the last step before the fault to the first after it,
+    detection + restart or re-formation + restore; None in events written before it was
+    logged), and the recovery's kind ("restart" or "in-job"). The last event of a source
+    wins."""
+    out: dict[str, Any] = {f"{what}_{source}_s": None for what in ("restore", "downtime")
+                           for source in SOURCES}
+    out["recovery_kind"] = None
+    for r in recoveries:
+        if r["source"] in SOURCES:
+            out[f"restore_{r['source']}_s"] = r["recovery_s"]
+            out[f"downtime_{r['source']}_s"] = r.get("downtime_s")
+        out["recovery_kind"] = r.get("kind") or out["recovery_kind"]
+    return out
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -321,13 +341,17 @@ def markdown(result: dict[str, Any]) -> str:
     # Across nodes: the peer tier's columns (replica bytes and time, restore from a peer).
     peers = any(r.get("replica_bytes_per_rank") or r.get("restore_peer_s") for r in s.values())
     extra = " replica/ckpt/rank | replica time | restore peer |" if peers else ""
+    # Results with the recovery's downtime (older ones lack it: no column).
+    downtime = any(downtime_text(r) != "-" for r in s.values())
+    extra += " downtime |" if downtime else ""
     # With --paired: each strategy's throughput inside its own run.
     paired = any("paired_on_s" in r for r in s.values())
     lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
              "| throughput | steady |" + (" paired |" if paired else "")
              + " bytes/ckpt | imbalance | persist | persist/disk "
              "| restore storage | restore memory | ckpt host memory |" + extra,
-             "| --- | " + " | ".join(["---:"] * (14 + 3 * peers + paired)) + " |"]
+             "| --- | " + " | ".join(["---:"] * (14 + 3 * peers + paired + downtime))
+             + " |"]
     for name, r in s.items():
         ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
                  else None)
@@ -351,8 +375,18 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {fmt(r['restore_storage_s'])} | {fmt(r['restore_memory_s'])} | {mem_text} |"
             + (f" {fmt(_mb(r.get('replica_bytes_per_rank')), 'MB', 1)} "
                f"| {fmt(r.get('replica_s'))} | {fmt(r.get('restore_peer_s'))} |"
-               if peers else ""))
+               if peers else "")
+            + (f" {downtime_text(r)} |" if downtime else ""))
     return "\n".join(lines) + "\n\n" + cost_table(result)
+
+
+def downtime_text(figures: dict[str, Any]) -> str:
+    """A strategy's measured downtimes, e.g. "5.31 s (storage, restart)"; "-": none."""
+    kind = figures.get("recovery_kind")
+    parts = [f"{figures[key]:.2f} s ({source}{', ' + kind if kind else ''})"
+             for source in SOURCES
+             if (key := f"downtime_{source}_s") in figures and figures[key] is not None]
+    return ", ".join(parts) or "-"
 
 
 def cost_table(result: dict[str, Any]) -> str:

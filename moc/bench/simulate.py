@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,13 @@ class Costs:
     ckpt_s: float
     """C: the extra training time one checkpoint costs."""
     restart_s: float
-    """The fixed part of R: noticing the fault and restarting processes."""
+    """The fixed part of R: noticing the fault and restarting processes; with a measured
+    downtime (`Downtime`), the whole of it, restore included."""
     restore_s: float
-    """The restore part of R."""
+    """The restore part of R (0 when `restart_s` is a measured downtime, which holds it)."""
     restore_from: str
-    """"memory" or "storage": where the restore reads."""
+    """"memory" or "storage": where the restore reads; "measured downtime" (or "<source>,
+    measured downtime") when R is a run's measured downtime."""
 
     def __post_init__(self) -> None:
         if not self.step_s > 0:
@@ -183,7 +185,8 @@ def _figure(result: dict[str, Any], path: Path, name: str, key: str) -> float:
 
 def costs_from_overhead(result: dict[str, Any], path: Path, names: list[str], *,
                         restart_s: float, fault_kind: str, step_time: float | None = None,
-                        scale_costs: bool = False) -> tuple[list[Costs], str]:
+                        scale_costs: bool = False, downtime: Downtime | None = None,
+                        measured_downtime: bool = False) -> tuple[list[Costs], str]:
     """The model's inputs for each strategy in `names`, and the basis of the step times
     ("steady" or "all steps").
 
@@ -192,7 +195,13 @@ def costs_from_overhead(result: dict[str, Any], path: Path, names: list[str], *,
     `step_time` replaces T (e.g. a GPU cluster's step); C and the restore times stay as
     measured unless `scale_costs`, which multiplies them by the ratio of step times (a
     crude assumption: checkpoint work scales like compute). The restart time never
-    scales."""
+    scales.
+
+    R is `restart_s` + the restore, unless a downtime was measured: `downtime` (given on
+    the command line) is every strategy's R; with `measured_downtime`, a strategy whose
+    result holds the downtime of a recovery from the source the restore reads
+    (`downtime_memory_s`, `downtime_storage_s`: `moc bench overhead` records them) gets
+    that as R. A measured downtime never scales: it is wall time, restore included."""
     strategies = result["strategies"]
     for name in names:
         if name not in strategies:
@@ -208,19 +217,120 @@ def costs_from_overhead(result: dict[str, Any], path: Path, names: list[str], *,
         if not step_time > 0:
             raise ValueError(f"--step-time must be > 0 s, got {step_time}")
         scale = step_time / t_ref if scale_costs else 1.0
+    t = step_time if step_time is not None else t_ref
     out = []
     for name in names:
         mean = _figure(result, path, name, key)
         stall = strategies[name].get("stall_median_s") or 0.0
-        ckpt = max(stall, (mean - t_ref) * interval, 0.0)
+        ckpt = max(stall, (mean - t_ref) * interval, 0.0) * scale
+        if downtime is not None:
+            out.append(Costs(name, t, ckpt, downtime.seconds, 0.0, "measured downtime"))
+            continue
         memory = strategies[name].get("restore_memory_s")
         if fault_kind == "process" and memory is not None:
             restore, source = float(memory), "memory"
         else:
             restore, source = _figure(result, path, name, "restore_storage_s"), "storage"
-        out.append(Costs(name, step_time if step_time is not None else t_ref, ckpt * scale,
-                         restart_s, restore * scale, source))
+        measured = strategies[name].get(f"downtime_{source}_s")
+        if measured_downtime and measured is not None:
+            out.append(Costs(name, t, ckpt, float(measured), 0.0,
+                             f"{source}, measured downtime"))
+        else:
+            out.append(Costs(name, t, ckpt, restart_s, restore * scale, source))
     return out, "steady" if steady else "all steps"
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs: the per-fault downtime a run measured (`recovery` events' `downtime_s`)
+
+
+@dataclass(frozen=True)
+class Downtime:
+    """What one fault costs apart from the lost work: noticing it, the restart (or the
+    in-job re-formation) and the restore, as `moc train` logs it in each `recovery`
+    event's `downtime_s` (from the last step done before the fault to the first step
+    after it), or an assumed figure. It takes the place of restart + restore in R."""
+
+    label: str
+    """The recovery mode it stands for, e.g. "restart", "in-job", "in-job-spare"."""
+    seconds: float
+    source: str
+    """Where the figure comes from: "assumed", "given" (a number on the command line) or
+    a metrics file's path."""
+    events: int = 0
+    """How many recovery events it is the median of (0: not read from a file)."""
+    kinds: tuple[str, ...] = ()
+    """Those events' `kind`s ("restart", "in-job")."""
+
+    def __post_init__(self) -> None:
+        if not (self.seconds >= 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"downtime {self.label!r} must be a finite number of seconds "
+                             f">= 0, got {self.seconds}")
+
+    def describe(self) -> str:
+        """Where the figure comes from, in words."""
+        if not self.events:
+            return self.source
+        kinds = ", ".join(self.kinds) or "kind not logged"
+        return f"median of {self.events} recovery events ({kinds}) in {self.source}"
+
+
+def downtime_of_events(events: list[dict[str, Any]], label: str, source: str,
+                       where: str = "") -> Downtime:
+    """The median `downtime_s` of the `recovery` events among `events` (read from
+    `source`); events without one (written before moc logged it, or with no step before
+    the fault) are left out. `where` begins an error's message (default: `source`)."""
+    recoveries = [e for e in events
+                  if e.get("event") == "recovery" and e.get("downtime_s") is not None]
+    if not recoveries:
+        raise ValueError(f"{where or source}: no recovery event with a downtime_s; expected the "
+                         "--metrics file of a `moc train` run with faults (--fault-every "
+                         "or --fault-at) by a moc that logs the downtime")
+    kinds = tuple(sorted({str(e["kind"]) for e in recoveries if e.get("kind")}))
+    return Downtime(label, statistics.median(float(e["downtime_s"]) for e in recoveries),
+                    source, len(recoveries), kinds)
+
+
+def downtime_from_metrics(path: Path, label: str, where: str) -> Downtime:
+    """`downtime_of_events` over the metrics JSONL file at `path` (a torn last line, from
+    a rank killed mid-write, is ignored); `where` (the option and the path) begins an
+    error's message."""
+    from moc.train.metrics import read_events  # torch-free, like this module
+
+    if not path.is_file():
+        raise ValueError(f"{where}: no such file; expected the --metrics file of a `moc "
+                         "train` run with faults")
+    return downtime_of_events(read_events(path), label, str(path), where)
+
+
+def parse_downtime(text: str) -> Downtime:
+    """`--downtimes` entry LABEL=SECONDS or LABEL=METRICS.jsonl (the median of that run's
+    recovery events)."""
+    label, sep, value = text.partition("=")
+    if not sep or not label or not value:
+        raise ValueError(f"--downtimes: expected LABEL=SECONDS or LABEL=METRICS.jsonl "
+                         f"(e.g. in-job=2.9), got {text!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return downtime_from_metrics(Path(value), label, f"--downtimes {text}")
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(f"--downtimes {text}: the downtime must be >= 0 s")
+    return Downtime(label, seconds, "given")
+
+
+def measured_downtime(seconds: float | None, metrics: Path | None) -> Downtime | None:
+    """The downtime of `--downtime-s` or `--downtime-from` (None: neither given)."""
+    if seconds is not None and metrics is not None:
+        raise ValueError("--downtime-s and --downtime-from both give the per-fault "
+                         "downtime; pass one of them")
+    if seconds is not None:
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"--downtime-s must be >= 0, got {seconds}")
+        return Downtime("measured", seconds, "--downtime-s")
+    if metrics is not None:
+        return downtime_from_metrics(metrics, "measured", f"--downtime-from {metrics}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,6 +603,13 @@ DEEPSEEK_V3 = {"params_b": 671.0, "active_params_b": 37.0, "experts": 256, "top_
 """DeepSeek-V3's size: 671B parameters, 37B activated, 256 routed experts per MoE layer of
 which 8 are activated per token (one shared expert more, counted as non-expert state)."""
 
+DEEPSEEK_MOE_16B = {"params_b": 16.4, "active_params_b": 2.8, "experts": 64, "top_k": 6}
+"""DeepSeekMoE 16B's size ("DeepSeekMoE: Towards Ultimate Expert Specialization in
+Mixture-of-Experts Language Models", Dai et al. 2024, arXiv:2401.06066, and its released
+config: 28 layers, hidden size 2048): 16.4B parameters, 2.8B activated, 64 routed experts
+per MoE layer of which 6 are activated per token (2 shared experts more, counted as
+non-expert state). The size of the models MoEvement evaluates (up to 64 experts)."""
+
 DEFAULT_BYTES_PER_PARAM = 14
 """Checkpointed bytes per parameter: bf16 weights (2) + fp32 master weights (4) + fp32
 Adam m and v (4 + 4). Gradients are not checkpointed."""
@@ -647,6 +764,16 @@ def best_interval_peers(costs: Costs, rate: float, peer: PeerTier) -> int | None
     return best if ettr_peers(best, costs, rate, peer) > 0 else None
 
 
+def nodes_of(n_gpus: int, gpus_per_node: int) -> int:
+    """Nodes of a job on `n_gpus` GPUs, `gpus_per_node` to a node (whole nodes only)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if n_gpus < gpus_per_node or n_gpus % gpus_per_node:
+        raise ValueError(f"--gpus: {n_gpus} is not a multiple of --gpus-per-node "
+                         f"{gpus_per_node}")
+    return n_gpus // gpus_per_node
+
+
 def scale_table(costs: list[Costs], model: ModelSize, *, gpus: list[int], gpus_per_node: int,
                 mtbf_hours: float, net_GBps: float, storage_GBps: float,
                 k_replica: int | None, peers_of: str | None) -> list[dict[str, Any]]:
@@ -654,8 +781,6 @@ def scale_table(costs: list[Costs], model: ModelSize, *, gpus: list[int], gpus_p
     share of the whole state at `storage_GBps`; `peers_of` (a strategy's name) also gets a
     "<name>+peers" row whose replicas hold K experts per layer (`k_replica`, None: all) plus
     all non-expert state."""
-    if gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if not storage_GBps > 0:
         raise ValueError(f"--storage-GBps must be > 0, got {storage_GBps}")
     if k_replica is not None and not 1 <= k_replica <= model.experts:
@@ -664,10 +789,7 @@ def scale_table(costs: list[Costs], model: ModelSize, *, gpus: list[int], gpus_p
         raise ValueError(f"--peers needs the {peers_of!r} strategy in --strategies")
     rows = []
     for n_gpus in gpus:
-        if n_gpus < gpus_per_node or n_gpus % gpus_per_node:
-            raise ValueError(f"--gpus: {n_gpus} is not a multiple of --gpus-per-node "
-                             f"{gpus_per_node}")
-        nodes = n_gpus // gpus_per_node
+        nodes = nodes_of(n_gpus, gpus_per_node)
         rate = failure_rate(nodes, mtbf_hours)
         own = model.state_bytes() / nodes
         base = {"gpus": n_gpus, "nodes": nodes, "mtbf_hours": mtbf_hours,
@@ -718,16 +840,93 @@ def scale_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# Recovery modes at a job MTBF (docs/SIMULATE.md "Recovery modes")
+
+JOB_MTBF_MIN = 10.0
+"""Default job MTBF of the recovery-modes table, minutes: MoEvement's setting (below)."""
+
+RECOVERY_STEP_S = 2.0
+"""Default T of the recovery-modes table (unless --step-time): a 2 s step, as a
+DeepSeekMoE-16B-sized model's step on a GPU cluster (the issue's setting; an assumption,
+not a measurement)."""
+
+CLUSTER_RESTART_S = 60.0
+"""The assumed downtime of a torchrun restart on a GPU cluster (--cluster-restart-s):
+rescheduling, process start, NCCL set-up and loading take a minute or more there; not
+measured by this project (on its 2-core VM a restart takes ~5 s: `--downtimes`)."""
+
+MOEVEMENT_ETTR = 0.94
+"""MoEvement's published ETTR: "sustaining ETTR >= 0.94 even under frequent failures (MTBF
+as low as 10 minutes)" (Gandhi and Kozyrakis, "Sparse Checkpointing for Fast and Reliable
+MoE Training", NSDI '26, arXiv:2412.15411; MoE models of up to 64 experts). Printed beside
+the model's figures for comparison; it is that paper's measurement, not an output here."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def node_mtbf_hours(job_mtbf_min: float, nodes: int) -> float:
+    """One node's MTBF, in hours, when a job on `nodes` independent nodes fails every
+    `job_mtbf_min` minutes on average: the nodes' failure rates add up, so a node's MTBF
+    is `nodes` times the job's (`failure_rate` inverted)."""
+    if not job_mtbf_min > 0:
+        raise ValueError(f"--job-mtbf-min must be > 0, got {job_mtbf_min}")
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    return nodes * job_mtbf_min / 60.0
+
+
+def recovery_modes_table(costs: Costs, modes: list[Downtime], model: ModelSize, *,
+                         gpus: list[int], gpus_per_node: int, job_mtbf_min: float,
+                         net_GBps: float, storage_GBps: float, k_replica: int | None
+                         ) -> list[dict[str, Any]]:
+    """Per GPU count and recovery mode, node faults with the job failing every
+    `job_mtbf_min` minutes: `costs`' T and C, and each mode's downtime as the fixed part
+    of R. The rest is the `--peers` table's `<strategy>+peers` row (`scale_table`,
+    `ettr_peers`): the replaced node pulls its share of the state from its peer (R =
+    downtime + t_rep, lost work W/2 + t_rep), or, when the peer was lost too, reads it
+    from storage (R = downtime + S / (n B_storage), lost work W/2)."""
+    rows = []
+    for n_gpus in gpus:
+        mtbf_hours = node_mtbf_hours(job_mtbf_min, nodes_of(n_gpus, gpus_per_node))
+        for mode in modes:
+            c = replace(costs, name=mode.label, restart_s=mode.seconds, restore_s=0.0,
+                        restore_from="measured downtime")
+            *_, peers = scale_table([c], model, gpus=[n_gpus], gpus_per_node=gpus_per_node,
+                                    mtbf_hours=mtbf_hours, net_GBps=net_GBps,
+                                    storage_GBps=storage_GBps, k_replica=k_replica,
+                                    peers_of=mode.label)
+            rows.append({**peers, "strategy": f"{costs.name}+peers", "recovery": mode.label,
+                         "downtime_s": mode.seconds, "downtime_source": mode.describe(),
+                         "downtime_events": mode.events, "downtime_kinds": list(mode.kinds),
+                         "job_mtbf_min": job_mtbf_min, "moevement_ettr": MOEVEMENT_ETTR})
+    return rows
+
+
+def recovery_modes_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| GPUs | nodes | recovery | downtime | R = downtime + peer pull | best I "
+             "| ETTR at best I | MoEvement (published) |",
+             "| ---: | ---: | --- | " + " | ".join(["---:"] * 5) + " |"]
+    for r in rows:
+        best = "-" if r["best_interval"] is None else str(r["best_interval"])
+        source = (f"median of {r['downtime_events']}" if r["downtime_events"]
+                  else r["downtime_source"])
+        lines.append(f"| {r['gpus']} | {r['nodes']} | {r['recovery']} "
+                     f"| {r['downtime_s']:.2f} s ({source}) | {r['recovery_s']:.2f} s "
+                     f"| {best} | {r['ettr_best']:.4f} | >= {r['moevement_ettr']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# The command line
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moc simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--overhead", type=Path, default=DEFAULT_OVERHEAD,
                    help=f"JSON of `moc bench overhead --json` (default {DEFAULT_OVERHEAD})")
     p.add_argument("--strategies", nargs="+",
                    help="strategies to model (default: all in the file but none); with "
-                        "--validate: those to run (default: blocking moc)")
+                        "--validate: those to run (default: blocking moc); with "
+                        "--recovery-modes: the one whose C is used (default moc)")
     p.add_argument("--nodes", type=int, default=DEFAULT_NODES,
                    help=f"nodes in the job (default {DEFAULT_NODES}: Llama 3 405B's 16,384 "
                         "GPUs, 8 per node)")
@@ -737,20 +936,38 @@ def main(argv: list[str] | None = None) -> int:
                         "in 54 days on 2,048 nodes)")
     p.add_argument("--step-time", type=float,
                    help="T in seconds instead of the measured one (e.g. a GPU cluster's "
-                        "step); C and R stay as measured unless --scale-costs")
+                        "step; --recovery-modes: default "
+                        f"{RECOVERY_STEP_S:g}); C and R stay as measured unless "
+                        "--scale-costs")
     p.add_argument("--scale-costs", action="store_true",
                    help="with --step-time: scale C and the restore time by the ratio of "
-                        "step times (the restart time does not scale)")
+                        "step times (the restart time and a measured downtime do not scale)")
     p.add_argument("--interval", type=int,
                    help="also report ETTR at this interval (default: the bench's)")
-    p.add_argument("--restart-s", type=float, default=DEFAULT_RESTART_S,
+    p.add_argument("--restart-s", type=float,
                    help=f"time to notice a fault and restart, restore excluded (default "
-                        f"{DEFAULT_RESTART_S:g}: a torchrun restart on the 2-core VM)")
+                        f"{DEFAULT_RESTART_S:g}: a torchrun restart on the 2-core VM; "
+                        "without it, a downtime the --overhead file measured is R)")
     p.add_argument("--fault-kind", choices=["process", "node"], default="process",
                    help="process: strategies with snapshots in memory restore from them; "
                         "node: every strategy restores from storage")
+    # Not an argparse exclusive group: its error is not one line (`measured_downtime`).
+    p.add_argument("--downtime-s", type=float, metavar="S",
+                   help="the per-fault downtime a run measured (detection + restart or "
+                        "re-formation + restore): R, in place of restart + restore (at "
+                        "scale: in place of the restart; --recovery-modes: one more row)")
+    p.add_argument("--downtime-from", type=Path, metavar="METRICS.jsonl",
+                   help="as --downtime-s, the median downtime_s of the recovery events in "
+                        "a `moc train --metrics` file")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="plot ETTR against the interval here")
+    _scale_arguments(p)
+    _recovery_arguments(p)
+    _validate_arguments(p)
+    return p
+
+
+def _scale_arguments(p: argparse.ArgumentParser) -> None:
     scale = p.add_argument_group(
         "at scale, with the peer tier (node faults; docs/SIMULATE.md \"Peer tier\")")
     scale.add_argument("--peers", action="store_true",
@@ -758,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
                             "--gpus count (default blocking, dcp-async, moc), restores from "
                             "storage sized by the model, plus moc with peer replicas")
     scale.add_argument("--gpus", type=int, nargs="+", default=list(SCALE_GPUS),
-                       help=f"GPU counts of the --peers table (default "
+                       help=f"GPU counts of the --peers and --recovery-modes tables (default "
                             f"{' '.join(map(str, SCALE_GPUS))})")
     scale.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
                        help=f"default {GPUS_PER_NODE}")
@@ -775,18 +992,41 @@ def main(argv: list[str] | None = None) -> int:
                        help="node i replicates to node (i + jump) mod n (default 1); with "
                             "independent failures it does not change ETTR, it picks the "
                             "failure domain (a jump of a rack's size leaves the rack)")
-    scale.add_argument("--params-b", type=float, default=DEEPSEEK_V3["params_b"],
-                       help="total parameters, billions (default 671: DeepSeek-V3)")
+    scale.add_argument("--params-b", type=float,
+                       help="total parameters, billions (default: DeepSeek-V3's 671 for "
+                            "--peers, DeepSeekMoE 16B's 16.4 for --recovery-modes)")
     scale.add_argument("--active-params-b", type=float,
-                       default=DEEPSEEK_V3["active_params_b"],
-                       help="activated parameters per token, billions (default 37)")
-    scale.add_argument("--experts", type=int, default=DEEPSEEK_V3["experts"],
-                       help="routed experts per MoE layer (default 256)")
-    scale.add_argument("--top-k", type=int, default=DEEPSEEK_V3["top_k"],
-                       help="routed experts per token (default 8)")
+                       help="activated parameters per token, billions (default 37, or 2.8)")
+    scale.add_argument("--experts", type=int,
+                       help="routed experts per MoE layer (default 256, or 64)")
+    scale.add_argument("--top-k", type=int,
+                       help="routed experts per token (default 8, or 6)")
     scale.add_argument("--bytes-per-param", type=float, default=DEFAULT_BYTES_PER_PARAM,
                        help=f"checkpointed bytes per parameter (default "
                             f"{DEFAULT_BYTES_PER_PARAM}: bf16 weights + fp32 master + Adam)")
+
+
+def _recovery_arguments(p: argparse.ArgumentParser) -> None:
+    modes = p.add_argument_group(
+        "recovery modes at a job MTBF (node faults; docs/SIMULATE.md \"Recovery modes\")")
+    modes.add_argument("--recovery-modes", action="store_true",
+                       help="instead: ETTR per recovery mode (a GPU cluster's restart, "
+                            "then each measured downtime) at a job MTBF of --job-mtbf-min, "
+                            "state sized for DeepSeekMoE 16B, restores from a peer, on each "
+                            "--gpus count, beside MoEvement's published ETTR")
+    modes.add_argument("--downtimes", nargs="+", metavar="LABEL=S|LABEL=METRICS.jsonl",
+                       help="--recovery-modes: measured downtimes, one row each, e.g. "
+                            "restart=5.3 in-job=2.9 in-job-spare=0.4, or a `moc train "
+                            "--metrics` file per label (its recovery events' median)")
+    modes.add_argument("--job-mtbf-min", type=float, default=JOB_MTBF_MIN,
+                       help=f"--recovery-modes: minutes between failures of the whole job "
+                            f"(default {JOB_MTBF_MIN:g}: MoEvement's setting)")
+    modes.add_argument("--cluster-restart-s", type=float, default=CLUSTER_RESTART_S,
+                       help=f"--recovery-modes: the assumed downtime of a torchrun restart "
+                            f"on a GPU cluster, the first row (default {CLUSTER_RESTART_S:g})")
+
+
+def _validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="instead: real tiny runs (2 ranks) with faults every F steps, the "
                         "model's prediction against the measured time (~2-3 minutes)")
@@ -805,9 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true",
                    help="--validate: no progress bar (drawn only on a terminal, never "
                         "under CI)")
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `moc simulate -- --png x`: the top-level parser hands the separator on.
-    args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    args = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)
 
     if args.validate:
         v = validate(args.strategies or ["blocking", "moc"], args.validate_steps,
@@ -819,9 +1062,38 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"validation": v}, indent=1))
         return 0
 
+    if args.peers and args.recovery_modes:
+        raise ValueError("--peers and --recovery-modes print two different tables; pass one")
+    if args.downtimes and not args.recovery_modes:
+        raise ValueError("--downtimes gives the rows of --recovery-modes; add it (or give "
+                         "one downtime with --downtime-s or --downtime-from)")
+    if args.restart_s is not None and args.restart_s < 0:
+        raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
+    downtime = measured_downtime(args.downtime_s, args.downtime_from)
     result = load_overhead(args.overhead)
     if args.peers:
-        return _main_peers(args, result)
+        return _main_peers(args, result, downtime)
+    if args.recovery_modes:
+        return _main_recovery_modes(args, result, downtime)
+    return _main_table(args, result, downtime)
+
+
+def _r_text(restart_s: float, downtime: Downtime | None, costs: list[Costs]) -> str:
+    """The header's account of R in the first table."""
+    if downtime is not None:
+        return f"R = the measured downtime {downtime.seconds:g} s ({downtime.describe()})"
+    measured = [c.name for c in costs if c.restore_from.endswith("measured downtime")]
+    if not measured:
+        return f"restart {restart_s:g} s + restore"
+    rest = ("" if len(measured) == len(costs)
+            else f", restart {restart_s:g} s + restore for the rest")
+    return (f"R = the downtime the bench measured for {', '.join(measured)}{rest} "
+            "(--restart-s to assume one instead)")
+
+
+def _main_table(args: argparse.Namespace, result: dict[str, Any],
+                downtime: Downtime | None) -> int:
+    """`moc simulate`: the first table, ETTR per strategy (`simulate`)."""
     names = args.strategies or [n for n in result["strategies"] if n != "none"]
     if "none" in names:
         raise ValueError("--strategies: none takes no checkpoints, it is the reference T; "
@@ -829,35 +1101,35 @@ def main(argv: list[str] | None = None) -> int:
     interval = args.interval if args.interval is not None else result["config"]["interval"]
     if interval < 1:
         raise ValueError(f"--interval must be >= 1, got {interval}")
-    if args.restart_s < 0:
-        raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
+    restart_s = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s
     rate = failure_rate(args.nodes, args.mtbf_hours)
-    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=args.restart_s,
+    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=restart_s,
                                        fault_kind=args.fault_kind, step_time=args.step_time,
-                                       scale_costs=args.scale_costs)
+                                       scale_costs=args.scale_costs, downtime=downtime,
+                                       measured_downtime=args.restart_s is None)
     rows = simulate(costs, rate, interval)
-    header = (f"{args.nodes} nodes, MTBF {args.mtbf_hours:g} h per node: a failure every "
-              f"{1 / rate / 3600:.2f} h; {args.fault_kind} faults; restart "
-              f"{args.restart_s:g} s + restore; T and C from {args.overhead} ({basis} "
-              f"means, measured interval {result['config']['interval']})"
-              + (f"; T set to {args.step_time:g} s" + (", C and restore scaled"
-                                                       if args.scale_costs else "")
-                 if args.step_time is not None else ""))
-    print(header)
+    r_text = _r_text(restart_s, downtime, costs)
+    print(f"{args.nodes} nodes, MTBF {args.mtbf_hours:g} h per node: a failure every "
+          f"{1 / rate / 3600:.2f} h; {args.fault_kind} faults; {r_text}; T and C from "
+          f"{args.overhead} ({basis} means, measured interval {result['config']['interval']})"
+          + (f"; T set to {args.step_time:g} s" + (", C and restore scaled"
+                                                   if args.scale_costs else "")
+             if args.step_time is not None else ""))
     print()
     print(markdown(rows))
     if args.json:
         args.json.write_text(json.dumps(
             {"inputs": {"overhead": str(args.overhead), "nodes": args.nodes,
                         "mtbf_hours": args.mtbf_hours, "failure_rate_per_s": rate,
-                        "restart_s": args.restart_s, "fault_kind": args.fault_kind,
+                        "restart_s": restart_s, "fault_kind": args.fault_kind,
+                        "downtime": asdict(downtime) if downtime else None,
                         "step_time": args.step_time, "scale_costs": args.scale_costs,
                         "interval": interval, "basis": basis},
              "strategies": rows}, indent=1))
     if args.png:
         write_png(args.png, costs, rows, rate,
                   f"ETTR: {args.nodes} nodes, MTBF {args.mtbf_hours:g} h per node, "
-                  f"{args.fault_kind} faults, R = {args.restart_s:g} s + restore")
+                  f"{args.fault_kind} faults, {r_text}")
     return 0
 
 
@@ -871,15 +1143,23 @@ def _k_replica(text: str) -> int | None:
                          ) from None
 
 
-def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
-    """`moc simulate --peers`: the scale table (`scale_table`)."""
+def _model(args: argparse.Namespace, default: dict[str, Any]) -> ModelSize:
+    """The model size of the options, each one not given taken from `default`."""
+    given = {"params_b": args.params_b, "active_params_b": args.active_params_b,
+             "experts": args.experts, "top_k": args.top_k}
+    return ModelSize(**{k: default[k] if v is None else v for k, v in given.items()},
+                     bytes_per_param=args.bytes_per_param)
+
+
+def _main_peers(args: argparse.Namespace, result: dict[str, Any],
+                downtime: Downtime | None) -> int:
+    """`moc simulate --peers`: the scale table (`scale_table`). A measured downtime (only
+    when given: the bench's is a tiny model's on this VM) takes the restart's place."""
     names = args.strategies or [n for n in ("blocking", "dcp-async", "moc")
                                 if n in result["strategies"]]
     if "moc" not in names:
         raise ValueError("--peers: the peer replicas are moc's; include moc in --strategies "
                          f"(got {' '.join(names)})")
-    if args.restart_s < 0:
-        raise ValueError(f"--restart-s must be >= 0, got {args.restart_s}")
     if args.replica_jump < 1:
         raise ValueError(f"--replica-jump must be >= 1, got {args.replica_jump}")
     for n_gpus in args.gpus:
@@ -888,22 +1168,24 @@ def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
             raise ValueError(f"--replica-jump {args.replica_jump} sends node i's replica to "
                              f"itself on {nodes} nodes; choose a jump that is not a "
                              "multiple of the node count")
-    model = ModelSize(args.params_b, args.active_params_b, args.experts, args.top_k,
-                      args.bytes_per_param)
-    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=args.restart_s,
+    model = _model(args, DEEPSEEK_V3)
+    restart_s = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s
+    costs, basis = costs_from_overhead(result, args.overhead, names, restart_s=restart_s,
                                        fault_kind="node", step_time=args.step_time,
-                                       scale_costs=args.scale_costs)
+                                       scale_costs=args.scale_costs, downtime=downtime)
     k_replica = _k_replica(args.k_replica)
     rows = scale_table(costs, model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                        mtbf_hours=args.mtbf_hours, net_GBps=args.net_GBps,
                        storage_GBps=args.storage_GBps, k_replica=k_replica,
                        peers_of="moc")
-    print(f"node faults, MTBF {args.mtbf_hours:g} h per node; model {args.params_b:g}B "
-          f"params ({model.expert_params / 1e9:.1f}B in {args.experts} routed experts per "
+    fixed = (f"restart {restart_s:g} s" if downtime is None else
+             f"downtime {downtime.seconds:g} s ({downtime.describe()}) in place of a restart")
+    print(f"node faults, MTBF {args.mtbf_hours:g} h per node; model {model.params_b:g}B "
+          f"params ({model.expert_params / 1e9:.1f}B in {model.experts} routed experts per "
           f"layer), {args.bytes_per_param:g} B/param = {model.state_bytes() / 1e12:.2f} TB; "
           f"replicas: {args.k_replica} experts per layer + non-expert state, jump "
           f"{args.replica_jump}, {args.net_GBps:g} GB/s per node; storage "
-          f"{args.storage_GBps:g} GB/s per node; restart {args.restart_s:g} s; T and C "
+          f"{args.storage_GBps:g} GB/s per node; {fixed}; T and C "
           f"from {args.overhead} ({basis} means)"
           + (f"; T set to {args.step_time:g} s" + (", C scaled" if args.scale_costs else "")
              if args.step_time is not None else ""))
@@ -912,7 +1194,9 @@ def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
     if args.json:
         args.json.write_text(json.dumps(
             {"inputs": {"overhead": str(args.overhead), "mtbf_hours": args.mtbf_hours,
-                        "restart_s": args.restart_s, "step_time": args.step_time,
+                        "restart_s": restart_s,
+                        "downtime": asdict(downtime) if downtime else None,
+                        "step_time": args.step_time,
                         "scale_costs": args.scale_costs, "basis": basis,
                         "gpus_per_node": args.gpus_per_node, "net_GBps": args.net_GBps,
                         "storage_GBps": args.storage_GBps, "k_replica": args.k_replica,
@@ -920,6 +1204,73 @@ def _main_peers(args: argparse.Namespace, result: dict[str, Any]) -> int:
                         "state_bytes": model.state_bytes(),
                         "expert_params": model.expert_params},
              "scale": rows}, indent=1))
+    return 0
+
+
+def recovery_modes(cluster_restart_s: float, measured: Downtime | None,
+                   downtimes: list[str]) -> list[Downtime]:
+    """The rows of `--recovery-modes`: the assumed cluster restart, then the measured
+    downtimes (`--downtime-s`/`--downtime-from`, then each `--downtimes` entry)."""
+    if not (cluster_restart_s >= 0 and math.isfinite(cluster_restart_s)):
+        raise ValueError(f"--cluster-restart-s must be >= 0, got {cluster_restart_s}")
+    modes = [*([measured] if measured is not None else []),
+             *(parse_downtime(text) for text in downtimes)]
+    if not modes:
+        raise ValueError("--recovery-modes compares measured downtimes: give them with "
+                         "--downtimes restart=S in-job=S in-job-spare=S (seconds, or a "
+                         "`moc train --metrics` file per label), or one with --downtime-s "
+                         "or --downtime-from")
+    modes.insert(0, Downtime("restart, GPU cluster", cluster_restart_s, "assumed"))
+    labels = [m.label for m in modes]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--downtimes: each label once, got {' '.join(labels)}")
+    return modes
+
+
+def _main_recovery_modes(args: argparse.Namespace, result: dict[str, Any],
+                         downtime: Downtime | None) -> int:
+    """`moc simulate --recovery-modes`: ETTR per recovery mode (`recovery_modes_table`)."""
+    names = args.strategies or ["moc"]
+    if len(names) != 1 or names[0] == "none":
+        raise ValueError("--recovery-modes: --strategies names the one strategy whose C "
+                         f"the table uses (default moc), got {' '.join(names)}")
+    modes = recovery_modes(args.cluster_restart_s, downtime, args.downtimes or [])
+    step_time = RECOVERY_STEP_S if args.step_time is None else args.step_time
+    # R comes from the modes: the restart and restore figures here are not used.
+    (costs,), basis = costs_from_overhead(result, args.overhead, names, restart_s=0.0,
+                                          fault_kind="node", step_time=step_time,
+                                          scale_costs=args.scale_costs)
+    model = _model(args, DEEPSEEK_MOE_16B)
+    rows = recovery_modes_table(costs, modes, model, gpus=args.gpus,
+                                gpus_per_node=args.gpus_per_node,
+                                job_mtbf_min=args.job_mtbf_min, net_GBps=args.net_GBps,
+                                storage_GBps=args.storage_GBps,
+                                k_replica=_k_replica(args.k_replica))
+    print(f"node faults, the job failing every {args.job_mtbf_min:g} min; T = "
+          f"{step_time:g} s, C = {costs.ckpt_s:.4f} s ({costs.name}, from {args.overhead}, "
+          f"{basis} means{', scaled to T' if args.scale_costs else ', as measured'}); model "
+          f"{model.params_b:g}B params, {model.experts} routed experts, top {model.top_k}, "
+          f"{args.bytes_per_param:g} B/param = {model.state_bytes() / 1e9:.0f} GB; the "
+          f"replaced node pulls its share from its peer at {args.net_GBps:g} GB/s (from "
+          f"storage at {args.storage_GBps:g} GB/s if the peer is lost too)")
+    print()
+    print(recovery_modes_markdown(rows))
+    print()
+    for mode in modes:
+        print(f"- {mode.label}: {mode.seconds:.2f} s, {mode.describe()}")
+    print(f"- MoEvement: ETTR >= {MOEVEMENT_ETTR} at a job MTBF of 10 min, as published "
+          "(arXiv:2412.15411), not modelled here")
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"inputs": {"overhead": str(args.overhead), "strategy": costs.name,
+                        "job_mtbf_min": args.job_mtbf_min, "step_time": step_time,
+                        "scale_costs": args.scale_costs, "basis": basis,
+                        "ckpt_s": costs.ckpt_s, "modes": [asdict(m) for m in modes],
+                        "gpus_per_node": args.gpus_per_node, "net_GBps": args.net_GBps,
+                        "storage_GBps": args.storage_GBps, "k_replica": args.k_replica,
+                        "model": asdict(model), "state_bytes": model.state_bytes(),
+                        "moevement_ettr": MOEVEMENT_ETTR},
+             "recovery_modes": rows}, indent=1))
     return 0
 
 

@@ -118,9 +118,10 @@ class Child:
         step_s = self.last.get("step_s")
         limit = timeout_s or (max(HANG_FLOOR_S, HANG_FACTOR * step_s) if step_s
                               else START_HANG_S)
-        if now - (self.beat or self.started) > max(limit, HANG_FLOOR_S if self.beat
-                                                     else START_HANG_S):
-            return f"no heartbeat for {now - (self.beat or self.started):.1f}s"
+        silent = now - (self.beat or self.started)
+        # Before its first heartbeat a process is starting (an interpreter, imports).
+        if silent > (limit if self.beat is not None else max(limit, START_HANG_S)):
+            return f"no heartbeat for {silent:.1f}s"
         if now - self.progress > limit:
             return (f"no step for {now - self.progress:.1f}s (at step "
                     f"{self.last.get('step')}, not waiting for a peer)")

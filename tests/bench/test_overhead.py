@@ -166,3 +166,33 @@ def test_paired_blocks_must_hold_checkpoints_after_their_first_step(args, capsys
     with pytest.raises(SystemExit):
         main(["--strategies", "none", *args])
     assert "--paired" in capsys.readouterr().err
+
+
+def test_recovery_figures_keep_restore_and_downtime_per_source():
+    from moc.bench.overhead import recovery_figures
+
+    assert recovery_figures([]) == {
+        "restore_memory_s": None, "restore_storage_s": None, "restore_peer_s": None,
+        "downtime_memory_s": None, "downtime_storage_s": None, "downtime_peer_s": None,
+        "recovery_kind": None}
+    got = recovery_figures([
+        {"source": "memory", "recovery_s": 0.2, "downtime_s": 4.9, "kind": "restart"},
+        {"source": "mixed", "recovery_s": 0.3, "downtime_s": 5.5, "kind": "restart"},
+        # Written before the downtime was logged: no downtime, the restore still counts.
+        {"source": "storage", "recovery_s": 0.4}])
+    assert (got["restore_memory_s"], got["downtime_memory_s"]) == (0.2, 4.9)
+    assert (got["restore_storage_s"], got["downtime_storage_s"]) == (0.4, None)
+    assert got["restore_peer_s"] is None and got["recovery_kind"] == "restart"
+
+
+def test_the_table_shows_the_downtime_only_when_measured():
+    result = _result()
+    assert "downtime" not in markdown(result)  # older results: no column
+    result["strategies"]["moc"].update(downtime_memory_s=4.9, recovery_kind="in-job")
+    lines = markdown(result).splitlines()
+    assert lines[0].endswith("| ckpt host memory | downtime |")
+    assert lines[1].count("---:") == 15
+    moc = next(line for line in lines if line.startswith("| moc |"))
+    assert moc.endswith("| 300 MB = 3.00 snapshots | 4.90 s (memory, in-job) |")
+    blocking = next(line for line in lines if line.startswith("| blocking |"))
+    assert blocking.endswith("| - |")

@@ -366,3 +366,210 @@ def test_own_slot_count_mirrors_the_engine():
     from moc.checkpoint.twolevel.slots import N_SLOTS
 
     assert sim.N_SLOTS_OWN == N_SLOTS
+
+
+# ---------------------------------------------------------------------------------------
+# Measured downtime (`recovery` events' downtime_s) and the recovery-modes table
+
+
+def recovery(downtime: float | None, kind: str | None = "in-job", source: str = "peer"
+             ) -> dict:
+    event = {"event": "recovery", "step": 20, "resumed_from": 20, "source": source,
+             "recovery_s": 0.05, "downtime_s": downtime, "replaced": [1], "pids": [1, 2]}
+    if kind is not None:
+        event["kind"] = kind
+    return event
+
+
+def write_metrics(tmp_path: Path, events: list[dict], torn: bool = False) -> Path:
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    path.write_text(text + ('{"event": "step", "st' if torn else ""))
+    return path
+
+
+def test_downtime_of_events_is_the_median_of_the_recoveries_that_logged_one():
+    events = [step(1, 1.0), {"event": "fault", "step": 20}, recovery(3.3),
+              recovery(None), recovery(2.8, kind="restart"), recovery(2.9, kind=None)]
+    d = sim.downtime_of_events(events, "in-job", "run.jsonl")
+    assert (d.seconds, d.events, d.kinds) == (2.9, 3, ("in-job", "restart"))
+    assert d.describe() == "median of 3 recovery events (in-job, restart) in run.jsonl"
+    with pytest.raises(ValueError, match=_re("run.jsonl: no recovery event with a downtime_s")):
+        sim.downtime_of_events([step(1, 1.0), recovery(None)], "x", "run.jsonl")
+
+
+def test_downtime_from_a_metrics_file_ignores_a_torn_last_line(tmp_path):
+    path = write_metrics(tmp_path, [step(1, 1.0), recovery(0.3), recovery(0.5),
+                                    recovery(0.4)], torn=True)
+    d = sim.downtime_from_metrics(path, "in-job-spare", "--downtime-from x")
+    assert (d.label, d.seconds, d.events, d.source) == ("in-job-spare", 0.4, 3, str(path))
+
+
+def test_parse_downtime_takes_seconds_or_a_metrics_file(tmp_path):
+    assert sim.parse_downtime("in-job=2.9") == sim.Downtime("in-job", 2.9, "given")
+    path = write_metrics(tmp_path, [recovery(5.5, kind="restart"), recovery(5.2, "restart")])
+    d = sim.parse_downtime(f"restart={path}")
+    assert (d.label, d.seconds, d.kinds) == ("restart", pytest.approx(5.35), ("restart",))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("in-job", "--downtimes: expected LABEL=SECONDS or LABEL=METRICS.jsonl"),
+    ("=2.9", "--downtimes: expected LABEL=SECONDS"),
+    ("in-job=-1", "--downtimes in-job=-1: the downtime must be >= 0 s"),
+    ("in-job=nan", "--downtimes in-job=nan: the downtime must be >= 0 s"),
+    ("in-job=missing.jsonl", "--downtimes in-job=missing.jsonl: no such file"),
+])
+def test_parse_downtime_rejects_bad_entries(text, message):
+    with pytest.raises(ValueError, match=_re(message)):
+        sim.parse_downtime(text)
+
+
+def test_downtime_options_are_clear_errors(tmp_path, capsys):
+    from moc.cli import main as moc_main
+
+    path = write(tmp_path, overhead_json())
+    no_downtime = write_metrics(tmp_path, [step(1, 1.0), recovery(None)])
+    cases = [
+        (["--downtime-s", "3", "--downtime-from", str(no_downtime)],
+         "--downtime-s and --downtime-from both give the per-fault downtime; pass one"),
+        (["--downtime-from", str(no_downtime)],
+         f"--downtime-from {no_downtime}: no recovery event with a downtime_s"),
+        (["--downtime-from", str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
+        (["--downtime-s", "-2"], "--downtime-s must be >= 0, got -2.0"),
+        (["--downtimes", "in-job=2.9"], "--downtimes gives the rows of --recovery-modes"),
+        (["--recovery-modes"], "--recovery-modes compares measured downtimes"),
+        (["--recovery-modes", "--peers", "--downtime-s", "1"], "pass one"),
+        (["--recovery-modes", "--downtimes", "a=1", "a=2"], "each label once"),
+        (["--recovery-modes", "--downtimes", "a=1", "--strategies", "blocking", "moc"],
+         "--strategies names the one strategy"),
+        (["--recovery-modes", "--downtimes", "a=1", "--job-mtbf-min", "0"],
+         "--job-mtbf-min must be > 0, got 0.0"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=_re(message)):
+            sim.main(["--overhead", str(path), *args])
+        # Through the `moc` command: one line.
+        assert moc_main(["simulate", "--overhead", str(path), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moc simulate: error: ") and err.count("\n") == 1, err
+
+
+def test_a_given_downtime_is_every_strategys_r(tmp_path, capsys):
+    path, out = write(tmp_path, overhead_json()), tmp_path / "sim.json"
+    metrics = write_metrics(tmp_path, [recovery(2.0), recovery(3.0), recovery(4.0)])
+    assert sim.main(["--overhead", str(path), "--downtime-from", str(metrics), "--json",
+                     str(out)]) == 0
+    assert "R = the measured downtime 3 s (median of 3 recovery events (in-job) in" \
+        in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["inputs"]["downtime"]["seconds"] == 3.0
+    for row in doc["strategies"].values():
+        assert (row["recovery_s"], row["restore_from"]) == (3.0, "measured downtime")
+
+
+def test_costs_take_the_benchs_downtime_of_the_source_the_restore_reads(tmp_path):
+    result = overhead_json(moc={"downtime_memory_s": 4.5, "downtime_storage_s": None},
+                           blocking={"downtime_storage_s": 5.25})
+    path = write(tmp_path, result)
+
+    def costs_of(fault_kind: str, measured: bool = True) -> dict[str, Costs]:
+        got, _ = sim.costs_from_overhead(result, path, ["blocking", "moc"], restart_s=10.0,
+                                         fault_kind=fault_kind, measured_downtime=measured)
+        return {c.name: c for c in got}
+
+    process = costs_of("process")
+    assert (process["moc"].recovery_s, process["moc"].restore_from) == (
+        4.5, "memory, measured downtime")
+    assert process["blocking"].recovery_s == 5.25
+    # A node fault reads storage: moc measured no fault's downtime from there.
+    node = costs_of("node")
+    assert (node["moc"].recovery_s, node["moc"].restore_from) == (10.3, "storage")
+    assert node["blocking"].recovery_s == 5.25
+    # Not asked for (an explicit --restart-s): restart + restore as before.
+    assert costs_of("process", measured=False)["moc"].recovery_s == pytest.approx(10.2)
+
+
+def test_cli_uses_the_benchs_downtime_unless_a_restart_time_is_given(tmp_path, capsys):
+    path = write(tmp_path, overhead_json(moc={"downtime_memory_s": 4.5}))
+    sim.main(["--overhead", str(path)])
+    text = capsys.readouterr().out
+    assert ("R = the downtime the bench measured for moc, restart 5 s + restore for the rest "
+            "(--restart-s to assume one instead)") in text
+    assert "| 4.50 s (memory, measured downtime) |" in text
+    sim.main(["--overhead", str(path), "--restart-s", "5"])
+    text = capsys.readouterr().out
+    assert "restart 5 s + restore" in text and "measured downtime" not in text
+
+
+def test_node_mtbf_inverts_the_failure_rate():
+    for nodes in (1, 256, 2048):
+        mtbf = sim.node_mtbf_hours(10.0, nodes)
+        assert sim.failure_rate(nodes, mtbf) == pytest.approx(1 / 600)
+    with pytest.raises(ValueError, match=_re("--job-mtbf-min must be > 0")):
+        sim.node_mtbf_hours(-1.0, 4)
+
+
+def test_deepseek_moe_16b_size():
+    m = sim.ModelSize(**sim.DEEPSEEK_MOE_16B)
+    # 16.4B - 2.8B = 58 of the 64 routed experts' worth: 13.6 x 64 / 58 = 15.0B.
+    assert m.expert_params == pytest.approx(13.6e9 * 64 / 58)
+    assert 1e9 < m.nonexpert_params < 2e9  # attention, embeddings, 2 shared experts
+    assert m.state_bytes() == pytest.approx(14 * 16.4e9)
+
+
+def modes_table(downtimes: list[float], **kwargs: object) -> list[dict]:
+    modes = [sim.Downtime(f"d{i}", d, "given") for i, d in enumerate(downtimes)]
+    args = {"gpus": [2048, 16384], "gpus_per_node": 8, "job_mtbf_min": 10.0,
+            "net_GBps": 25.0, "storage_GBps": 2.0, "k_replica": None, **kwargs}
+    return sim.recovery_modes_table(costs(step=2.0, ckpt=1.3, restart=99.0, restore=99.0,
+                                          name="moc"),
+                                    modes, sim.ModelSize(**sim.DEEPSEEK_MOE_16B), **args)
+
+
+def test_recovery_modes_ettr_rises_as_the_downtime_falls():
+    downtimes = [60.0, 5.3, 2.9, 0.4]
+    rows = modes_table(downtimes)
+    assert [(r["gpus"], r["recovery"]) for r in rows] == [
+        (g, f"d{i}") for g in (2048, 16384) for i in range(4)]
+    for gpus in (2048, 16384):
+        ettrs = [r["ettr_best"] for r in rows if r["gpus"] == gpus]
+        assert ettrs == sorted(ettrs) and len(set(ettrs)) == 4
+    # The costs' own restart and restore (99 s) play no part: the mode's downtime does.
+    assert all(r["recovery_s"] < d + 0.1 for r, d in zip(rows, downtimes * 2, strict=True))
+
+
+def test_recovery_modes_row_is_the_peer_model_at_the_job_mtbf():
+    (row,) = modes_table([2.9], gpus=[2048])
+    nodes = 256
+    assert (row["nodes"], row["failure_every_h"]) == (nodes, pytest.approx(10 / 60))
+    state = 14 * 16.4e9
+    peer = sim.PeerTier(state / nodes, 25e9, sim.node_mtbf_hours(10.0, nodes))
+    c = Costs("x", 2.0, 1.3, 2.9, state / nodes / 2e9, "storage")
+    assert row["recovery_s"] == pytest.approx(2.9 + state / nodes / 25e9)
+    assert row["ettr_best"] == pytest.approx(
+        sim.ettr_peers(row["best_interval"], c, 1 / 600, peer))
+    assert row["best_interval"] == sim.best_interval_peers(c, 1 / 600, peer)
+    assert (row["strategy"], row["moevement_ettr"]) == ("moc+peers", 0.94)
+
+
+def test_cli_recovery_modes_prints_the_table_and_json(tmp_path, capsys):
+    path, out = write(tmp_path, overhead_json()), tmp_path / "modes.json"
+    metrics = write_metrics(tmp_path, [recovery(0.3), recovery(0.5)])
+    assert sim.main(["--overhead", str(path), "--recovery-modes", "--downtimes",
+                     "restart=5.3", "in-job=2.9", f"in-job-spare={metrics}",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| GPUs | nodes | recovery | downtime | R = downtime + peer pull | best I " \
+           "| ETTR at best I | MoEvement (published) |" in text
+    assert "| 2048 | 256 | restart, GPU cluster | 60.00 s (assumed) |" in text
+    assert "| 16384 | 2048 | in-job-spare | 0.40 s (median of 2) |" in text
+    assert "T = 2 s" in text and ">= 0.94 |" in text
+    doc = json.loads(out.read_text())
+    assert doc["inputs"]["step_time"] == 2.0 and doc["inputs"]["model"]["experts"] == 64
+    assert [m["label"] for m in doc["inputs"]["modes"]] == [
+        "restart, GPU cluster", "restart", "in-job", "in-job-spare"]
+    rows = doc["recovery_modes"]
+    assert [r["downtime_s"] for r in rows[:4]] == [60.0, 5.3, 2.9, 0.4]
+    assert rows[0]["ettr_best"] < rows[1]["ettr_best"] < rows[3]["ettr_best"]
+    # C is the bench's moc C (steady means: (0.92 - 0.9) x 5), not scaled without asking.
+    assert doc["inputs"]["ckpt_s"] == pytest.approx(0.1)

@@ -1,0 +1,166 @@
+"""`moc train --recovery in-job`: a lost or hung rank's process is replaced in place by
+its host, the survivors keep their processes and re-form the job with the newcomer, and
+the run goes on exactly as if nothing had happened (every loss bitwise equal to a run
+without faults). Real processes, real SIGKILLs and SIGSTOPs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moc.train.metrics import read_events
+from tests.engines import losses_by_step
+
+pytestmark = pytest.mark.integration  # real processes: see README, Tests
+
+STEPS, INTERVAL = 30, 5
+
+
+def moc(*args: str, timeout: float = 300, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moc", *args], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
+
+
+def train(root: Path, *extra: str, ok: bool = True, env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess:
+    r = moc("train", "--config", "tiny", "--steps", str(STEPS), "--ckpt-dir",
+            str(root / "ckpt"), "--ckpt-interval", str(INTERVAL), "--k-persist", "1",
+            "--device", "cpu", "--no-progress", "--metrics", str(root / "metrics.jsonl"),
+            *extra, env=env)
+    if ok:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def events(root: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(root / "metrics.jsonl") if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, dict[int, float]]:
+    """The runs without faults the faulted ones must equal: one node of 2 ranks, and 2
+    simulated nodes of one rank."""
+    out = {}
+    for name, layout in (("one", ["--nproc", "2"]),
+                         ("two", ["--nodes", "2", "--nproc", "1"])):
+        root = tmp_path_factory.mktemp(name)
+        train(root, *layout)
+        out[name] = {s: ls[-1] for s, ls in losses_by_step(read_events(
+            root / "metrics.jsonl")).items()}
+    return out
+
+
+def assert_exact(root: Path, reference: dict[int, float]) -> None:
+    """Every step's last loss (the one the run kept) equals the fault-free run's, and
+    every step before a fault and after its recovery was logged."""
+    got = losses_by_step(read_events(root / "metrics.jsonl"))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert {s: ls[-1] for s, ls in got.items()} == reference
+    assert moc("verify", str(root / "ckpt")).returncode == 0
+
+
+def assert_in_place(root: Path, replaced: list[int], source: str) -> dict:
+    """One in-job recovery: only `replaced` got new processes, the others kept theirs."""
+    (recovery,) = events(root, "recovery")
+    before, after = (e["pids"] for e in events(root, "placement"))
+    assert recovery["kind"] == "in-job" and recovery["replaced"] == replaced
+    assert recovery["pids"] == after and recovery["source"] == source
+    assert recovery["lost_tokens"] == 0 and recovery["downtime_s"] > 0
+    for rank, (old, new) in enumerate(zip(before, after, strict=True)):
+        assert (old != new) == (rank in replaced), (rank, before, after)
+    return recovery
+
+
+def test_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process(tmp_path, reference):
+    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--fault-at", "12",
+              "--fault-rank", "1")
+    assert_exact(tmp_path, reference["one"])
+    recovery = assert_in_place(tmp_path, [1], "memory")
+    assert recovery["resumed_from"] == 10 and recovery["step"] == 11
+    assert "rank 1: process" in r.stderr and "died (SIGKILL)" in r.stderr
+
+
+def test_a_lost_node_is_replaced_from_its_peer_and_the_other_node_keeps_its_process(
+        tmp_path, reference):
+    train(tmp_path, "--nodes", "2", "--nproc", "1", "--recovery", "in-job", "--spares", "1",
+          "--fault-kind", "node", "--fault-node", "1", "--fault-at", "17")
+    assert_exact(tmp_path, reference["two"])
+    recovery = assert_in_place(tmp_path, [1], "peer")
+    assert recovery["sources"] == {"memory": [0], "peer": [1]}
+
+
+def test_a_stopped_rank_is_detected_killed_and_replaced(tmp_path, reference):
+    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--fault-kind", "hang",
+              "--fault-at", "8", "--fault-rank", "1", "--hang-timeout", "2")
+    assert_exact(tmp_path, reference["one"])
+    assert_in_place(tmp_path, [1], "memory")
+    assert "hung (no heartbeat for" in r.stderr, r.stderr[-2000:]
+
+
+def test_rank_0_is_replaced_too_and_its_new_process_goes_on_logging(tmp_path, reference):
+    """Rank 0 writes the metrics and its host serves the job's store across nodes: its
+    loss must cost neither."""
+    train(tmp_path, "--nodes", "2", "--nproc", "1", "--recovery", "in-job",
+          "--fault-at", "13", "--fault-rank", "0")
+    assert_exact(tmp_path, reference["two"])
+    assert_in_place(tmp_path, [0], "memory")
+
+
+def test_recurring_faults_each_replace_one_process(tmp_path, reference):
+    train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--spares", "1",
+          "--fault-every", "9", "--fault-rank", "1")
+    assert_exact(tmp_path, reference["one"])
+    recoveries = events(tmp_path, "recovery")
+    assert [e["resumed_from"] for e in recoveries] == [5, 15, 25]
+    placements = events(tmp_path, "placement")
+    assert len({p["pids"][0] for p in placements}) == 1  # rank 0: one process throughout
+    assert len({p["pids"][1] for p in placements}) == 4
+    assert [p["generation"] for p in placements] == [0, 1, 2, 3]
+
+
+def test_a_restart_reports_its_downtime_and_every_rank_as_replaced(tmp_path, reference):
+    train(tmp_path, "--nproc", "2", "--fault-at", "12", "--fault-rank", "1",
+          "--max-restarts", "1")
+    assert_exact(tmp_path, reference["one"])
+    (recovery,) = events(tmp_path, "recovery")
+    before, after = (e["pids"] for e in events(tmp_path, "placement"))
+    assert recovery["kind"] == "restart" and recovery["replaced"] == [0, 1]
+    assert recovery["downtime_s"] > 0 and not set(before) & set(after)
+
+
+def test_a_process_that_fails_by_itself_is_not_replaced(tmp_path):
+    """An error the worker meets by itself (here a bad setting only the engine reads)
+    exits 2: replacing the process would only fail again. The job fails once, with the
+    worker's own line."""
+    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", ok=False,
+              env={"MOC_CKPT_PRIORITY": "bogus"})
+    assert r.returncode != 0
+    assert "MOC_CKPT_PRIORITY='bogus': expected one of" in r.stderr
+    assert "replaced by" not in r.stderr
+
+
+def test_replacements_are_bounded_and_the_end_is_one_clear_line(tmp_path):
+    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--max-replacements", "0",
+              "--fault-at", "6", "--fault-rank", "1", ok=False)
+    assert r.returncode != 0
+    assert "0 replacements already (--max-replacements): giving up" in r.stderr
+
+
+def test_options_of_in_job_recovery_are_checked_before_anything_starts(tmp_path):
+    for args, says in ((["--spares", "1"], "--spares and --hang-timeout are for --recovery "
+                                           "in-job"),
+                       (["--fault-kind", "hang", "--fault-at", "3"], "only --recovery in-job "
+                                                                     "detects a hang"),
+                       (["--recovery", "in-job", "--spares", "2"], "--spares must be 0 or 1"),
+                       (["--recovery", "in-job", "--hang-timeout", "0"],
+                        "--hang-timeout must be > 0"),
+                       (["--recovery", "in-job", "--ckpt-mode", "dcp-sync"],
+                        "--recovery in-job needs a moc engine")):
+        r = train(tmp_path, *args, ok=False)
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr[-1000:])

@@ -1,0 +1,119 @@
+"""The parts of in-job recovery that need no job: what counts as a lost peer, the
+generations in the store, the host's hang rule, prestarted persist processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel import prestart
+from moc.train import host
+from moc.train.injob import generation, lost_peer, next_generation
+
+
+def test_broken_connections_and_timeouts_are_lost_peers_and_nothing_else_is():
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:1234")
+    assert lost_peer(gloo)
+    assert lost_peer(RuntimeError("Connection reset by peer"))
+    assert lost_peer(RuntimeError("[gloo] Timed out waiting 300000ms for recv operation"))
+    # An engine's agreed error that carries one, and one raised from one.
+    assert lost_peer(CheckpointError("rank 1: RuntimeError: Connection closed by peer"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise CheckpointError("the snapshot's plan failed") from e
+    except CheckpointError as chained:
+        assert lost_peer(chained)
+    for other in (RuntimeError("CUDA out of memory"), ValueError("Connection closed"),
+                  KeyboardInterrupt(), CheckpointError("checksum mismatch"), None):
+        assert not lost_peer(other), other
+
+
+def test_a_generation_moves_once_however_many_notice_the_fault():
+    store = dist.HashStore()
+    assert generation(store) == 0
+    # The host of the lost rank and two survivors, in any order: one move.
+    assert next_generation(store, 0) == 1
+    assert next_generation(store, 0) == 1
+    assert next_generation(store, 0) == 1
+    assert generation(store) == 1
+    # A later fault, noticed by a process still in generation 1.
+    assert next_generation(store, 1) == 2
+
+
+@pytest.fixture
+def child():
+    """A real process under a `host.Child`, with the test writing its heartbeats."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    read, write = os.pipe()
+    c = host.Child(process, read)
+    yield c, write
+    process.kill()
+    process.wait()
+    c.close()
+    os.close(write)
+
+
+def beat(c: host.Child, fd: int, **fields) -> None:
+    os.write(fd, (json.dumps({"gen": 0, "phase": "train", "waiting": False,
+                              "trained": 1, **fields}) + "\n").encode())
+    c.read()
+
+
+def test_no_heartbeat_for_the_timeout_is_a_hang(child):
+    c, fd = child
+    beat(c, fd, step=1, step_s=0.01)
+    assert c.hung(0.3) is None
+    time.sleep(0.4)
+    assert c.hung(0.3).startswith("no heartbeat for")
+
+
+def test_a_step_that_does_not_come_is_a_hang_unless_the_rank_waits_for_a_peer(child):
+    c, fd = child
+    beat(c, fd, step=3)
+    deadline = time.monotonic() + 0.45
+    while time.monotonic() < deadline:  # alive, inside a collective: another's fault
+        beat(c, fd, step=3, waiting=True)
+        assert c.hung(0.3) is None
+        time.sleep(0.05)
+    while time.monotonic() < deadline + 0.45:  # alive, training, no step: its own
+        beat(c, fd, step=3)
+        time.sleep(0.05)
+    assert c.hung(0.3).startswith("no step for")
+    beat(c, fd, step=4)
+    assert c.hung(0.3) is None
+
+
+def test_the_default_timeout_follows_the_step_time_above_a_floor(child):
+    c, fd = child
+    assert c.hung(None) is None  # starting: START_HANG_S before the first heartbeat
+    beat(c, fd, step=1, step_s=0.001)
+    c.beat -= host.HANG_FLOOR_S - 0.5
+    assert c.hung(None) is None  # 10 x 1 ms is far below the floor
+    c.beat -= 1.0
+    assert c.hung(None) is not None
+    beat(c, fd, step=2, step_s=1.0)  # slow steps: ten of them
+    c.beat -= host.HANG_FLOOR_S + 1.0
+    assert c.hung(None) is None
+    c.beat -= host.HANG_FACTOR * 1.0
+    assert c.hung(None) is not None
+
+
+def test_a_prestarted_persist_process_waits_and_ends_unused_at_eof():
+    prestart.prestart()
+    prestart.prestart()  # a no-op while one waits
+    process = prestart.take()
+    assert process is not None and process.poll() is None
+    assert prestart.take() is None
+    assert os.getpriority(os.PRIO_PROCESS, process.pid) >= 10  # low from its start
+    process.stdin.close()  # its starter is done with it: EOF
+    assert process.wait(timeout=60) == 0
