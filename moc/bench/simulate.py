@@ -10,6 +10,8 @@ The model (first order, the one behind Young/Daly's interval; docs/SIMULATE.md):
     R  cost of one restart = a fixed restart time (notice the fault, restart processes)
                            + the restore time (from memory for a process fault when the
                              strategy keeps snapshots in memory, from storage otherwise)
+       or a run's measured downtime, which holds both (`Downtime`: --downtime-s,
+       --downtime-from, or the bench's own when --restart-s is not given)
     λ  failure rate = nodes / MTBF per node (faults arrive as a Poisson process)
 
     With a checkpoint every I steps, one interval takes W = I T + C. Each failure costs R
@@ -28,6 +30,11 @@ The model (first order, the one behind Young/Daly's interval; docs/SIMULATE.md):
 state sized from a model (default DeepSeek-V3's), for blocking, dcp-async, moc and moc
 with peer replicas (each node's snapshot in the host memory of node (i + jump) mod n);
 docs/SIMULATE.md "Peer tier" has its formulas, docs/SCALING.md its figures.
+
+`--recovery-modes` prints a third: ETTR per recovery mode (an assumed 60 s cluster
+restart, then each measured downtime: torchrun restart, in-job, in-job with a spare) at a
+job MTBF of 10 minutes, a 2 s step and DeepSeekMoE-16B-sized state restored from a peer,
+beside MoEvement's published 0.94; docs/SIMULATE.md "Recovery modes".
 
 `--validate` checks how the measured components combine on real `moc train` runs with
 deterministic faults (a SIGKILL every F steps); see `validate` below.
@@ -1236,10 +1243,11 @@ def _main_recovery_modes(args: argparse.Namespace, result: dict[str, Any],
                          f"the table uses (default moc), got {' '.join(names)}")
     modes = recovery_modes(args.cluster_restart_s, downtime, args.downtimes or [])
     step_time = RECOVERY_STEP_S if args.step_time is None else args.step_time
-    # R comes from the modes: the restart and restore figures here are not used.
+    # T and C alone: each mode's downtime replaces R (`recovery_modes_table`), so the
+    # bench's restore figures are neither used nor required.
     (costs,), basis = costs_from_overhead(result, args.overhead, names, restart_s=0.0,
                                           fault_kind="node", step_time=step_time,
-                                          scale_costs=args.scale_costs)
+                                          scale_costs=args.scale_costs, downtime=modes[0])
     model = _model(args, DEEPSEEK_MOE_16B)
     rows = recovery_modes_table(costs, modes, model, gpus=args.gpus,
                                 gpus_per_node=args.gpus_per_node,

@@ -68,6 +68,14 @@ class ShardedAdamW:
         for opt, which in self._zero:
             opt.process_group = groups.world if which == "world" else groups.edp_group
 
+    def reset(self) -> None:
+        """Forget every moment and step count, as a new optimizer has none (the model is
+        back at its initial weights: in-job recovery before any checkpoint)."""
+        for opt in self.optimizers:
+            opt.state.clear()
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                opt.optim.state.clear()
+
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
             for group in opt.param_groups:

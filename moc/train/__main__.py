@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(config_from_args(args), preemption, corpus=corpus)
-        result = trainer.run()
-        # Collective: only when every rank got here.
-        trainer.close()
+        result = trainer.run()  # and closes it: collective, only when every rank got here
     except NothingToTrain as e:
         assert trainer is not None
         trainer.close()  # every rank raised it, at the same point

@@ -1,12 +1,14 @@
-"""What a training process builds around its model that depends on the job, not on the
-step: the checkpoint engine of `--ckpt-mode`, and the placement every rank agrees on.
-Built at the start and again after an in-job recovery (new process groups, new engine)."""
+"""What a training process builds that depends on the job, not on the step: the initial
+model, the checkpoint engine of `--ckpt-mode`, and the placement every rank agrees on.
+Built at the start and again after an in-job recovery (new process groups, new engine;
+the initial weights again when there was nothing to restore)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
@@ -17,10 +19,22 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.nodes import node_memory_root
-from moc.parallel import ParallelGroups, ShardedAdamW
+from moc.model import Transformer
+from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
 from moc.topology import node_rank, restart_count
 from moc.train.config import TrainConfig
 from moc.train.metrics import MetricsWriter
+
+
+def initial_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device
+                  ) -> Transformer:
+    """The model's initial weights, this rank's experts of them: built on the CPU from
+    the seed, then moved, so that every rank and every start has the same weights (and
+    torch's RNG the same state after them)."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model)
+    shard_experts(model, groups)
+    return model.to(device)
 
 
 def make_engine(cfg: TrainConfig, model: nn.Module, optimizer: ShardedAdamW,

@@ -54,6 +54,11 @@ from moc.train.nodes import die_with_parent
 
 HANG_FACTOR = 10.0
 HANG_FLOOR_S = 5.0
+PROGRESS_FLOOR_S = 60.0
+"""A live process that makes no step while none of its threads waits for a peer (an
+endless loop in user code) is hung only after this long at least: a checkpoint's first
+touch of its memory, a slow persist under --persist-policy wait or a data loader's
+stall are legitimate pauses that a frozen process's silence is not."""
 START_HANG_S = 120.0
 """Before the training process has timed a step: start-up, the restore, the first step."""
 POLL_S = 0.02
@@ -122,9 +127,10 @@ class Child:
         # Before its first heartbeat a process is starting (an interpreter, imports).
         if silent > (limit if self.beat is not None else max(limit, START_HANG_S)):
             return f"no heartbeat for {silent:.1f}s"
-        if now - self.progress > limit:
-            return (f"no step for {now - self.progress:.1f}s (at step "
-                    f"{self.last.get('step')}, not waiting for a peer)")
+        stalled = now - self.progress
+        if self.last.get("phase") == "train" and stalled > max(limit, PROGRESS_FLOOR_S):
+            return (f"no step for {stalled:.1f}s (at step {self.last.get('step')}, not "
+                    "waiting for a peer)")
         return None
 
     def close(self) -> None:

@@ -100,6 +100,7 @@ def generation(store: dist.Store) -> int:
 def next_generation(store: dist.Store, seen: int) -> int:
     """Move the job past generation `seen` (at most once, whoever asks first: a host that
     lost its process, or a survivor whose collective failed); the generation to join."""
+    generation(store)  # a compare-and-set on a missing key sets nothing
     store.compare_set("gen", str(seen), str(seen + 1))
     return int(store.get("gen"))
 
@@ -122,7 +123,6 @@ class Membership:
         """Steps done since this process last joined a generation."""
         self._step = step
         self._pipe = os.fdopen(int(os.environ[ENV_FD]), "w", buffering=1)
-        self._main = threading.main_thread().ident
         threading.Thread(target=self._beat, name="moc-injob-heartbeat", daemon=True).start()
 
     # -- the process groups --------------------------------------------------------------
@@ -190,15 +190,18 @@ class Membership:
                 os._exit(1)
             time.sleep(HEARTBEAT_S)
 
-    def _waiting(self) -> bool:
-        """Whether the training thread is inside torch.distributed now (waiting for its
-        peers: a hang there is another rank's, not this one's)."""
-        frame = sys._current_frames().get(self._main)
-        depth = 0
-        while frame is not None and depth < 200:
-            if "torch/distributed" in frame.f_code.co_filename:
-                return True
-            frame, depth = frame.f_back, depth + 1
+    @staticmethod
+    def _waiting() -> bool:
+        """Whether a thread of this process is inside torch.distributed now, waiting for
+        its peers: the training thread in a collective, or the snapshot thread in a
+        plan's while the training thread waits for it. A stall then is another rank's,
+        not this one's."""
+        for frame in sys._current_frames().values():
+            depth = 0
+            while frame is not None and depth < 200:
+                if "torch/distributed" in frame.f_code.co_filename:
+                    return True
+                frame, depth = frame.f_back, depth + 1
         return False
 
 

@@ -21,20 +21,19 @@ import torch.distributed as dist
 from moc.checkpoint.api import CheckpointEngine
 from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.twolevel.prestart import prestart
-from moc.model import Transformer
 from moc.parallel import (
     ParallelGroups,
     ShardedAdamW,
     clip_grad_norm_,
     rebind_experts,
-    shard_experts,
     sync_gradients,
 )
 from moc.topology import init_distributed as init
 from moc.topology import node_rank, restart_count
 from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
-from moc.train.engines import agree_on_placement, make_engine
+from moc.train.engines import agree_on_placement, initial_model, make_engine
+from moc.train.evaluate import mean_over_ranks, validation_loss
 from moc.train.injob import ENV_PRESTART, Membership, lost_peer
 from moc.train.injob import enabled as in_job
 from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
@@ -135,14 +134,6 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _mean_over_ranks(value: torch.Tensor, groups: ParallelGroups) -> float:
-    value = value.detach().clone().float()
-    if groups.distributed:
-        dist.all_reduce(value, group=groups.world)
-        value /= groups.world_size
-    return value.item()
-
-
 class NothingToTrain(ValueError):
     """The checkpoint directory's run is already past the steps asked for (raised on every
     rank, after the restore: the engine is still to be closed)."""
@@ -183,16 +174,11 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if cfg.device == "cuda" else torch.device("cpu"))
 
-        # Built on the CPU from the seed, then moved: the same initial weights anywhere.
-        torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model)
-        shard_experts(self.model, self.groups)
-        self.model.to(self.device)
+        self.model = initial_model(cfg, self.groups, self.device)
         self.optimizer = ShardedAdamW(self.model, self.groups, lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
         self.corpus = corpus or Corpus.load(cfg.data, cfg.model.seq_len)
-        self.sampler = BatchSampler(len(self.corpus.train), cfg.model.seq_len,
-                                    cfg.batch_size * world, cfg.seed)
+        self.sampler = self._first_batch()
         self.metrics = MetricsWriter(cfg.metrics if self.is_main else None)
         self.attempt = self._agree_on_placement()
         """The job's attempt (0 first), the same on every rank of every node."""
@@ -229,8 +215,6 @@ class Trainer:
                 "seed": self.cfg.seed}
 
     def restore(self, progress: StepProgress) -> int | None:
-        if self.checkpointer is None:
-            return None
         last = None  # the last step before the fault, as rank 0 logged it
         if self.is_main and self.cfg.metrics:
             steps = [e for e in read_events(self.cfg.metrics) if e["event"] == "step"]
@@ -238,8 +222,14 @@ class Trainer:
         # A rollback is the first attempt's: a restart after a fault continues the
         # rolled-back run from its newest step, not from the rollback's step again.
         rollback = self.cfg.resume_step if self.attempt == 0 else None
-        result = self.checkpointer.restore(rollback)
+        result = self.checkpointer.restore(rollback) if self.checkpointer else None
         if result is None:
+            if self.membership is not None and self.membership.gen:
+                self._start_over()
+                progress.message("nothing to restore: every rank starts over from step 0")
+                self.recovery = self._recovery(last, {
+                    "resumed_from": 0, "source": "start", "sources": {}, "recovery_s": 0.0,
+                    "plt": None, "lost_tokens": None, "lost_per_layer": None})
             return None
         if rollback is not None:
             progress.message(f"rolled back to step {result.step} (--resume-step); the newer "
@@ -252,19 +242,10 @@ class Trainer:
                 else f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f}")
         progress.message(f"resumed from checkpoint step {result.step} "
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
-        in_job = self.membership is not None and self.membership.gen > 0
-        self.recovery = RecoveryLog(
-            last["time"] if last is not None else None, {
-                "step": last["step"] if last is not None else result.step,
-                "resumed_from": result.step, "source": result.source,
-                "sources": result.sources, "recovery_s": result.recovery_s,
-                "restart": self.attempt, "plt": result.plt,
-                "lost_tokens": result.lost_tokens, "lost_per_layer": result.lost_per_layer,
-                "kind": "in-job" if in_job else "restart",
-                "replaced": (self.membership.replaced() if in_job and self.is_main
-                             and self.membership is not None
-                             else list(range(self.groups.world_size))),
-                "pids": self.pids})
+        self.recovery = self._recovery(last, {
+            "resumed_from": result.step, "source": result.source, "sources": result.sources,
+            "recovery_s": result.recovery_s, "plt": result.plt,
+            "lost_tokens": result.lost_tokens, "lost_per_layer": result.lost_per_layer})
         if result.k != result.k_before:
             progress.message(f"Dynamic-K: PLT {result.plt:.4f} > {self.cfg.plt_threshold}, "
                              f"K {result.k_before} -> {result.k}")
@@ -286,29 +267,18 @@ class Trainer:
         self.optimizer.set_lr(cfg.lr_at(self.step))
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
-        return _mean_over_ranks(out.loss, groups), x_BT.numel() * groups.world_size
-
-    @torch.no_grad()
-    def validate(self) -> float:
-        cfg, T = self.cfg, self.cfg.model.seq_len
-        n_windows = (len(self.corpus.val) - 1) // T
-        total = cfg.eval_batches * cfg.batch_size * self.groups.world_size
-        # Evenly spaced windows over the validation split, the same on every run.
-        starts = torch.linspace(0, n_windows - 1, total).long() * T
-        mine = rank_slice(starts, self.rank, self.groups.world_size)
-        losses = []
-        for batch in mine.split(cfg.batch_size):
-            x_BT, y_BT = (t.to(self.device) for t in windows(self.corpus.val, batch, T))
-            losses.append(self.model(x_BT, y_BT).ce_loss)
-        return _mean_over_ranks(torch.stack(losses).mean(), self.groups)
+        return mean_over_ranks(out.loss, groups), x_BT.numel() * groups.world_size
 
     def run(self) -> RunResult:
-        """Train to the last step. In-job recovery (`moc.train.injob`): when a peer is
-        lost, this process rejoins the job's next generation and goes on from the
-        newest checkpoint, as many times as faults come."""
+        """Train to the last step, then `close` (collective: every rank gets there). In-job
+        recovery (`moc.train.injob`): when a peer is lost, even while the engine closes,
+        this process rejoins the job's next generation and goes on from the newest
+        checkpoint, as many times as faults come."""
         while True:
             try:
-                return self._run()
+                result = self._run()
+                self.close()
+                return result
             except Exception as e:
                 if self.membership is None or not lost_peer(e):
                     raise
@@ -342,6 +312,32 @@ class Trainer:
         self.attempt = self._agree_on_placement()
         self.checkpointer = self.make_checkpointer()
         self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
+
+    def _recovery(self, last: dict | None, fields: dict[str, Any]) -> RecoveryLog:
+        """The recovery event of this restore, written after the first step."""
+        membership = self.membership
+        in_job = membership is not None and membership.gen > 0
+        replaced = (membership.replaced() if membership is not None and in_job
+                    and self.is_main else list(range(self.groups.world_size)))
+        return RecoveryLog(last["time"] if last else None, {
+            "step": last["step"] if last else fields["resumed_from"], **fields,
+            "restart": self.attempt, "kind": "in-job" if in_job else "restart",
+            "replaced": replaced, "pids": self.pids})
+
+    def _first_batch(self) -> BatchSampler:
+        world, cfg = self.groups.world_size, self.cfg
+        return BatchSampler(len(self.corpus.train), cfg.model.seq_len,
+                            cfg.batch_size * world, cfg.seed)
+
+    def _start_over(self) -> None:
+        """In-job recovery with nothing to restore (the fault came before a checkpoint
+        every rank holds): every rank goes back to where a new process starts, the
+        initial weights (and torch's RNG after them) from the seed, no optimizer state,
+        the first batch. Agreed: every rank restored nothing in the same generation."""
+        self.model.load_state_dict(initial_model(self.cfg, self.groups, self.device)
+                                   .state_dict())
+        self.optimizer.reset()
+        self.sampler, self.step = self._first_batch(), 0
 
     def _run(self) -> RunResult:
         cfg = self.cfg
@@ -414,7 +410,8 @@ class Trainer:
         result.final_loss = loss
         if result.preempted is None:  # a preempted job has seconds left, not a validation
             self.model.eval()
-            result.val_loss = self.validate()
+            result.val_loss = validation_loss(self.model, self.corpus, self.cfg, self.groups,
+                                              self.device)
         result.wall_s = time.perf_counter() - t0
         memory: dict[str, Any] = {
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -103,6 +103,18 @@ def test_a_stopped_rank_is_detected_killed_and_replaced(tmp_path, reference):
     assert "hung (no heartbeat for" in r.stderr, r.stderr[-2000:]
 
 
+def test_a_fault_before_the_first_checkpoint_starts_every_rank_over(tmp_path, reference):
+    """Nothing to restore: the survivor's weights are a few steps on, the newcomer's are
+    the initial ones; both go back to the start, and the run is still exact."""
+    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--fault-at", "3",
+              "--fault-rank", "1")
+    assert_exact(tmp_path, reference["one"])
+    (recovery,) = events(tmp_path, "recovery")
+    assert (recovery["source"], recovery["resumed_from"], recovery["step"]) == ("start", 0, 2)
+    assert recovery["kind"] == "in-job" and recovery["replaced"] == [1]
+    assert "nothing to restore: every rank starts over from step 0" in r.stderr
+
+
 def test_rank_0_is_replaced_too_and_its_new_process_goes_on_logging(tmp_path, reference):
     """Rank 0 writes the metrics and its host serves the job's store across nodes: its
     loss must cost neither."""

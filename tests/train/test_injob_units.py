@@ -40,6 +40,8 @@ def test_broken_connections_and_timeouts_are_lost_peers_and_nothing_else_is():
 
 def test_a_generation_moves_once_however_many_notice_the_fault():
     store = dist.HashStore()
+    assert next_generation(store, 0) == 1  # the first to ask, before anyone read it
+    store = dist.HashStore()
     assert generation(store) == 0
     # The host of the lost rank and two survivors, in any order: one move.
     assert next_generation(store, 0) == 1
@@ -79,16 +81,19 @@ def test_no_heartbeat_for_the_timeout_is_a_hang(child):
 
 def test_a_step_that_does_not_come_is_a_hang_unless_the_rank_waits_for_a_peer(child):
     c, fd = child
+    c.progress -= 1000
+    assert c.hung(0.3) is None  # no heartbeat yet: starting, not training
     beat(c, fd, step=3)
-    deadline = time.monotonic() + 0.45
-    while time.monotonic() < deadline:  # alive, inside a collective: another's fault
-        beat(c, fd, step=3, waiting=True)
-        assert c.hung(0.3) is None
-        time.sleep(0.05)
-    while time.monotonic() < deadline + 0.45:  # alive, training, no step: its own
-        beat(c, fd, step=3)
-        time.sleep(0.05)
+    c.progress -= host.PROGRESS_FLOOR_S + 1  # alive, training, no step: its own hang
     assert c.hung(0.3).startswith("no step for")
+    beat(c, fd, step=3, waiting=True)  # a thread waits for a peer: another's
+    assert c.hung(0.3) is None
+    c.progress -= host.PROGRESS_FLOOR_S - 1  # a pause shorter than the floor
+    beat(c, fd, step=3)
+    assert c.hung(0.3) is None
+    beat(c, fd, step=3, phase="restore")  # not training: liveness only
+    c.progress -= 1000
+    assert c.hung(0.3) is None
     beat(c, fd, step=4)
     assert c.hung(0.3) is None
 
