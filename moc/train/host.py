@@ -193,9 +193,7 @@ class RankHost:
                 child.close()
                 if code >= 0:
                     return None, code
-                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ \
-                    else str(-code)
-                return f"process {child.process.pid} died ({name})", code
+                return f"process {child.process.pid} died ({_signal_name(-code)})", code
             if self.refill_due and child.last.get("trained", 0) >= 1:
                 self.refill_due = False
                 self._refill()
@@ -275,6 +273,13 @@ class RankHost:
 
     def _say(self, line: str) -> None:
         print(f"moc train: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _serve_store() -> Any:
