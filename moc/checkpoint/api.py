@@ -73,7 +73,8 @@ class CheckpointResult:
     error: str | None = None
     """Why the checkpoint did not reach storage; None when it did (or was skipped)."""
     snapshot_s: float | None = None
-    """Time the copy to host memory took (asynchronous engines)."""
+    """Time the snapshot to host memory took (asynchronous engines; two-level: its
+    capture and its seal)."""
     persist_s: float | None = None
     """Time the background persist took, write and commit (asynchronous engines)."""
     persist_skipped: bool = False
@@ -91,7 +92,8 @@ class CheckpointResult:
     replica_error: str | None = None
     """Why this rank's replica, or the one it keeps for its peer, is not complete."""
     copy_Bps: float | None = None
-    """This rank's snapshot copy bandwidth, checksums included (two-level)."""
+    """This rank's snapshot capture bandwidth: its copies (two-level; on a CPU the
+    checksums taken in the same pass are included)."""
     phases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """Where the checkpoint's time went (two-level): {"snapshot": this rank's snapshot
     thread, "persist": the persist process (rank 0: its node's files and the commit)},

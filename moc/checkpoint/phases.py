@@ -45,6 +45,12 @@ class Phases:
             self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c
             self.faults[name] = self.faults.get(name, 0) + _faults() - f
 
+    def record(self, name: str, wall: float) -> None:
+        """A phase measured elsewhere (waiting in a queue: no CPU time of its own)."""
+        self.wall[name] = self.wall.get(name, 0.0) + wall
+        self.cpu.setdefault(name, 0.0)
+        self.faults.setdefault(name, 0)
+
     @property
     def cpu_s(self) -> float:
         return sum(self.cpu.values())

@@ -222,20 +222,44 @@ _NOT_JSON = object()
 _warned_not_json: set[str] = set()
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: Any, tensor: Callable[[torch.Tensor], Any] | None = None) -> Any:
     """`v` as a JSON value (tuples as lists, tensors as numbers or lists); _NOT_JSON when
-    it has none."""
+    it has none. `tensor`: what a tensor becomes instead (its value, read now, by
+    default: a device sync for a device tensor)."""
     if v is None or isinstance(v, bool | int | float | str):
         return v
     if isinstance(v, torch.Tensor):
-        return v.detach().cpu().tolist()  # a 0-dim tensor gives a number
+        # A 0-dim tensor gives a number.
+        return v.detach().cpu().tolist() if tensor is None else tensor(v)
     if isinstance(v, tuple | list):
-        items = [_jsonable(x) for x in v]
+        items = [_jsonable(x, tensor) for x in v]
         return _NOT_JSON if any(x is _NOT_JSON for x in items) else items
     if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-        d = {k: _jsonable(x) for k, x in v.items()}
+        d = {k: _jsonable(x, tensor) for k, x in v.items()}
         return _NOT_JSON if any(x is _NOT_JSON for x in d.values()) else d
     return _NOT_JSON
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory, taken without waiting: a device tensor's copy is
+    queued on the current stream into pinned memory (its value is there once the work
+    queued so far is done), a host tensor is cloned."""
+    if t.device.type != "cuda":
+        return t.detach().cpu().clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    return host
+
+
+def _read_host_copies(v: Any) -> Any:
+    """`_jsonable`'s value with the host copies `_host_copy` queued read out."""
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if isinstance(v, list):
+        return [_read_host_copies(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _read_host_copies(x) for k, x in v.items()}
+    return v
 
 
 def stable_names(names: Iterable[str], spec: ExpertSpec) -> list[str]:
@@ -252,13 +276,20 @@ def encode_param_groups(groups: list[dict[str, Any]], spec: ExpertSpec) -> torch
 
     An entry with no JSON value (an object a custom optimizer keeps in its groups) is left
     out with a warning: it is not restored, but the checkpoint is not lost for it."""
+    return _groups_json(_plain_groups(groups, spec))
+
+
+def _plain_groups(groups: list[dict[str, Any]], spec: ExpertSpec,
+                  tensor: Callable[[torch.Tensor], Any] | None = None
+                  ) -> list[dict[str, Any]]:
+    """`encode_param_groups`' groups as JSON values (`tensor`: as `_jsonable`'s)."""
     out = []
     for i, g in enumerate(groups):
         entry: dict[str, Any] = {}
         for k, v in g.items():
             if k == "params":
                 continue
-            value = _jsonable(v)
+            value = _jsonable(v, tensor)
             if value is _NOT_JSON:
                 if k not in _warned_not_json:
                     _warned_not_json.add(k)
@@ -268,7 +299,11 @@ def encode_param_groups(groups: list[dict[str, Any]], spec: ExpertSpec) -> torch
             entry[k] = value
         entry["params"] = stable_names(g.get("params", []), spec)
         out.append(entry)
-    data = json.dumps({"version": PARAM_GROUPS_VERSION, "param_groups": out},
+    return out
+
+
+def _groups_json(groups: list[dict[str, Any]]) -> torch.Tensor:
+    data = json.dumps({"version": PARAM_GROUPS_VERSION, "param_groups": groups},
                       sort_keys=True, separators=(",", ":")).encode()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -595,19 +630,46 @@ def optimizer_state(params: dict[str, torch.Tensor],
     return out
 
 
-def _shared(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
-            clone: bool = False) -> dict[str, torch.Tensor]:
-    state = {piece_key(buffer_key(n), n, b): local(b).detach().clone() if clone
-             else local(b).detach() for n, b in persistent_buffers(model, spec).items()}
+def _shared(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec
+            ) -> dict[str, torch.Tensor]:
+    state = _buffers(model, spec)
     groups = param_groups_tensor(optimizer, spec)
     if groups is not None:
         state[PARAM_GROUPS_KEY] = groups
     return state
 
 
+def _buffers(model: nn.Module, spec: ExpertSpec, clone: bool = False
+             ) -> dict[str, torch.Tensor]:
+    return {piece_key(buffer_key(n), n, b): local(b).detach().clone() if clone
+            else local(b).detach() for n, b in persistent_buffers(model, spec).items()}
+
+
+@dataclass(frozen=True)
+class TakenAtSave:
+    """What an asynchronous snapshot takes when the checkpoint is requested, not when it
+    is copied (`RankState.capture`): the persistent buffers, cloned, and the param groups
+    as JSON values, their tensor entries (a capturable optimizer's `lr`) as host copies
+    queued without waiting. Nothing here waits for a device.
+
+    On a device, `tensors()` may be called only once the work queued before the
+    checkpoint's `ready` event is done (the snapshot thread waits for it): the host
+    copies land then."""
+
+    buffers: dict[str, torch.Tensor]
+    groups: list[dict[str, Any]] | None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers, and the param groups' JSON under PARAM_GROUPS_KEY."""
+        out = dict(self.buffers)
+        if self.groups is not None:
+            out[PARAM_GROUPS_KEY] = _groups_json(_read_host_copies(self.groups))
+        return out
+
+
 def local_state(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec, rank: int,
                 rng: torch.Tensor | None = None,
-                captured: dict[str, torch.Tensor] | None = None,
+                captured: TakenAtSave | None = None,
                 named: Named | None = None) -> dict[str, torch.Tensor]:
     """Everything this rank holds under stable keys (views, no copies, but the param
     groups' JSON): its parameters and persistent buffers, the optimizer state it owns,
@@ -616,7 +678,7 @@ def local_state(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec, r
     (`RankState.capture`), in place of their values now."""
     state = flatten_params(named if named is not None else list(model.named_parameters()), spec)
     state.update(flatten_optimizer(optimizer.local_state(), spec))
-    state.update(_shared(model, optimizer, spec) if captured is None else captured)
+    state.update(_shared(model, optimizer, spec) if captured is None else captured.tensors())
     state[rng_key(rank)] = torch.get_rng_state() if rng is None else rng
     return state
 
@@ -801,15 +863,21 @@ class RankState:
             placements[name] = tuple((b, tuple(r)) for b, r in sorted(held.items()) if b.numel)
         return replace(self, placements=placements)
 
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device this rank's parameters live on; None when they live on the
+        host (or on another accelerator, whose tensors are copied through the host)."""
+        return next((p.device for _, p in self.named if p.is_cuda), None)
+
     def flatten(self, rng: torch.Tensor | None = None,
-                captured: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                captured: TakenAtSave | None = None) -> dict[str, torch.Tensor]:
         """`local_state`: everything this rank holds under stable keys, as views."""
         return local_state(self.model, self.optimizer, self.spec, self.rank, rng, captured,
                            self.named)
 
-    def capture(self) -> dict[str, torch.Tensor]:
+    def capture(self) -> TakenAtSave:
         """What an asynchronous snapshot takes when the checkpoint is requested, not
-        when it is copied: the persistent buffers (cloned) and the param groups' JSON.
+        when it is copied: the persistent buffers (cloned) and the param groups.
 
         The copy runs behind the next forward pass, which may update buffers in place
         (running statistics, step counters), and a loop may set the learning rate
@@ -818,8 +886,24 @@ class RankState:
         snapshot of step t would hold some of step t+1: a recovery that is not exact,
         and differently so from run to run. Both are small (tens of microseconds on
         the `bench` model); parameters and optimizer state change only in the optimizer
-        step, which waits for the copy."""
-        return _shared(self.model, self.optimizer, self.spec, clone=True)
+        step, which waits for the copy. Nothing here waits for a device: a device
+        tensor is cloned, or copied to pinned host memory, by work queued on the
+        current stream (`TakenAtSave`)."""
+        groups = None
+        if _has_hyperparameters(self.optimizer):
+            groups = _plain_groups(self.optimizer.hyperparameters(),  # type: ignore[attr-defined]
+                                   self.spec, tensor=_host_copy)
+        return TakenAtSave(_buffers(self.model, self.spec, clone=True), groups)
+
+    def sizing(self) -> dict[str, torch.Tensor]:
+        """`flatten()`'s tensors as a slot lays them out, reading no value (no device
+        sync): what the snapshot slots are prepared for. The param groups' JSON is
+        sized with tensor entries as 0 (a few bytes off: slots are reserved with slack)."""
+        groups = None
+        if _has_hyperparameters(self.optimizer):
+            groups = _plain_groups(self.optimizer.hyperparameters(),  # type: ignore[attr-defined]
+                                   self.spec, tensor=lambda t: 0)
+        return self.flatten(None, TakenAtSave(_buffers(self.model, self.spec), groups))
 
     def load(self, reader: Reader) -> None:
         """`load_rank_state`: read and check everything this rank holds, then install it."""

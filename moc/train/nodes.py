@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from moc.checkpoint.twolevel.slots import record_owner
+from moc.checkpoint.twolevel.jobdir import record_owner
 
 GRACE_S = 30.0
 """After one agent fails, how long the others get to notice (their workers lose a peer

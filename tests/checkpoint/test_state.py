@@ -238,3 +238,31 @@ def test_a_persistent_buffer_inside_the_experts_is_refused_at_construction(tmp_p
         Checkpointer(model, torch.optim.AdamW(model.parameters()), tmp_path)
     experts.register_buffer("load_E", torch.zeros(CFG.n_experts), persistent=False)
     Checkpointer(model, torch.optim.AdamW(model.parameters()), tmp_path)  # not state: fine
+
+
+def test_what_a_save_takes_aside_is_its_own_values_and_never_reads_them_back_early():
+    """`RankState.capture` at save(): buffers cloned and param groups as JSON values, a
+    tensor learning rate (a capturable optimizer's) copied aside, not read: the values
+    are those of the save even when the loop changes them before the plan encodes them,
+    and the encoded groups are the same bytes as a direct encoding of that moment."""
+    from moc.checkpoint.state import RankState, as_optimizer_state
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32,
+                                    n_experts=4))
+    model.register_buffer("seen", torch.zeros(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    opt.param_groups[0]["schedule"] = [1, 2]  # a mutable entry a loop keeps in its group
+    state = RankState(model, as_optimizer_state(opt, model), ExpertSpec.infer(model), 0)
+    direct = state.flatten()[PARAM_GROUPS_KEY].clone()
+    taken = state.capture()
+    opt.param_groups[0]["lr"].fill_(5.0)  # the loop moves on before the plan runs
+    opt.param_groups[0]["schedule"][0] = 9
+    model.seen.add_(1)
+    later = taken.tensors()
+    assert torch.equal(later[PARAM_GROUPS_KEY], direct)
+    assert decode_param_groups(later[PARAM_GROUPS_KEY])[0]["lr"] == pytest.approx(1e-3)
+    assert torch.equal(later["buffer/seen"], torch.zeros(3))
+    # The slots are sized without reading a value: the same keys and nearly the bytes.
+    sizing = state.sizing()
+    assert sizing.keys() == state.flatten().keys()

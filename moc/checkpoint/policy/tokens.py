@@ -135,12 +135,24 @@ class TokenLedger:
     def unwatch(self) -> None:
         self.watched = False
 
-    def take_pending(self) -> torch.Tensor:
+    def take_pending(self, wait: bool = True) -> torch.Tensor:
         """This rank's counts since the last checkpoint (on the CPU), reset to zero; the
-        engine sums them over ranks (`Dist`) and hands them to `add_synced`."""
-        pending = self._pending.to("cpu", torch.int64)
-        self._pending = torch.zeros_like(self._pending)
-        return pending
+        engine sums them over ranks (`Dist`) and hands them to `add_synced`.
+
+        Counts kept on a CUDA device (a `RoutingRecorder` counting where the router
+        runs) are copied to the host. With `wait=False` the copy is only queued on the
+        current stream, into pinned memory, and nothing waits for the device: the
+        returned tensor holds the counts once the work queued so far is done (the
+        two-level engine's `ready` event, which its snapshot thread waits for). A
+        blocking copy here made every checkpointed step wait for the device to finish
+        the step (94 ms of a 195 ms step on an H200)."""
+        pending = self._pending
+        self._pending = torch.zeros_like(pending)
+        if pending.device.type != "cuda" or wait:
+            return pending.to("cpu", torch.int64)
+        host = torch.empty(pending.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(pending, non_blocking=True)
+        return host
 
     # -- the plan ----------------------------------------------------------------------------
 

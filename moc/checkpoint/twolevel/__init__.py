@@ -9,8 +9,12 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     snapshot_plan    what one checkpoint copies and persists: a pure function
     snapshotter      `Snapshotter`: slots + snapshot thread + replicas; `stage` -> a handle
     executor         `PersistExecutor`: persist requests; `execute` -> a future outcome
-    slots            the snapshot slots in shared memory (one owner: the rank)
-    worker           the snapshot thread: plan, then copy
+    slots            the snapshot slots in shared memory: files, mappings, views, pinning
+    capture          filling a slot: captured (the copies training waits for), then sealed
+    native           copies and checksums of many buffers in one native call (C, or Python)
+    worker           the snapshot thread: plan, capture, seal
+    hooks            the optimizer step hooks: wait for a capture, prepare the slots
+    jobdir           a job's directory in shared memory: owner, trust rules, stale ones
     sizing           K_snapshot: how many experts a snapshot holds, which, and `auto`
     protocol         the typed messages between the ranks and the persist process
     persist          the persist process (server) and a rank's end of it (client)

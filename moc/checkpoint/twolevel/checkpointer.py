@@ -63,14 +63,12 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from moc.checkpoint.api import (
     CheckpointEngine,
@@ -85,44 +83,23 @@ from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.twolevel.capture import capture_mode
 from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor
+from moc.checkpoint.twolevel.hooks import OptimizerHooks
+from moc.checkpoint.twolevel.jobdir import default_job_id, job_dir, remove_job
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.planner import PlanConfig, SnapshotPlanner
 from moc.checkpoint.twolevel.reader import StorageReader
 from moc.checkpoint.twolevel.restore import restore_engine
 from moc.checkpoint.twolevel.results import Checkpoints
 from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
-from moc.checkpoint.twolevel.slots import default_job_id, job_dir, remove_job
 from moc.checkpoint.twolevel.snapshotter import Snapshotter, remove_unless_needed
-from moc.checkpoint.twolevel.worker import SnapshotHandle, background_priority
+from moc.checkpoint.twolevel.worker import background_priority
 from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
 log = logging.getLogger(__name__)
-
-
-def _wait_before_optimizer_steps(engine: weakref.ref[TwoLevelCheckpointer]
-                                 ) -> Callable[..., None]:
-    """A pre-hook for every optimizer's step: a step of an optimizer over the engine's
-    model waits for the snapshot being copied, as `wait_for_snapshot()` would.
-
-    The contract asks the loop to call `wait_for_snapshot()` before `optimizer.step()`.
-    A loop that does not (a framework's own loop, a forgotten line) would otherwise
-    update the parameters and moments while they are being copied, and the snapshot
-    would hold some of each step. Hooked, it cannot: the step waits, as it would have
-    in `wait_for_snapshot()`. The hook is global (torch's list for every optimizer),
-    so that optimizers the engine was not given (a ZeRO partition's inner one, a
-    second optimizer over some of the same parameters) wait too; outside a snapshot it
-    returns at once. Held by weak reference: a dropped engine is not kept alive."""
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ckpt = engine()
-        if ckpt is None or ckpt._handle is None:
-            return
-        ours = {id(q) for q in ckpt.parts.state.model.parameters()}
-        if any(id(q) in ours for g in optimizer.param_groups for q in g["params"]):
-            ckpt.wait_for_snapshot()
-    return hook
 
 
 def _check_options(persist_policy: str) -> None:
@@ -131,6 +108,7 @@ def _check_options(persist_policy: str) -> None:
         raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                          f"got {persist_policy!r}")
     background_priority()  # a bad MOC_CKPT_PRIORITY fails here, not in the background
+    capture_mode()  # and a bad MOC_CPU_CAPTURE
 
 
 class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
@@ -206,7 +184,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             p.release()
             raise
         self.snapshots = Snapshotter(self.job, p.groups.rank, self.nodes, k_replica,
-                                     replica_jump, replica_rate)
+                                     replica_jump, replica_rate, device=p.state.device)
         self.books = EngineState(
             p.chain, p.ledger, p.failures, k,
             on_commit=p.retention.request if p.retention is not None else None)
@@ -215,11 +193,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             PlanConfig(p.root, p.mode, p.model_meta, persist_policy, p.run_id, self.nodes,
                        self.persist.nonce), replicas=self.snapshots.replicas)
         self.persist.add_tidy(self.parts.tidy)
-        self._handle: SnapshotHandle | None = None
-        self._saved_at: float | None = None  # when save() returned: the copy's window
         self._in_flight = Checkpoints()
-        self._step_hook = register_optimizer_step_pre_hook(
-            _wait_before_optimizer_steps(weakref.ref(self)))
+        self._hooks = OptimizerHooks(self)
 
     # -- the training loop's calls -------------------------------------------------------
 
@@ -255,54 +230,51 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         else:
             p.order.saved(step)
         run = p.run  # this line's, as of this save
-        self.wait_for_snapshot()  # the previous checkpoint's copy (normally done)
-        counts = p.ledger.take_pending()
+        self.wait_for_snapshot()  # the previous checkpoint's capture (normally done)
+        counts = p.ledger.take_pending(wait=self.snapshots.device is None)  # device: queued
         rng = torch.get_rng_state()
-        ready = None
-        if any(q.is_cuda for q in p.state.model.parameters()):
-            ready = torch.cuda.Event()  # the copy waits for the work queued so far
-            ready.record(torch.cuda.current_stream())
+        # The snapshot thread's plan and copies wait for the work queued so far (the
+        # counts and param groups above reach the host with it); this thread does not.
+        ready = self.snapshots.mark_ready()
         planner = self.planner
-        self._handle = handle = self.snapshots.stage(
+        handle = self.snapshots.stage(
             step, lambda: planner.plan(step, counts, rng, extra, final, rejected, captured,
                                        run),
             ready, p.chain, self.spec, p.groups.layout.ep)
-        self._in_flight.started(step, time.perf_counter() - t0, handle.replica)
-        self._saved_at = time.perf_counter()
+        self._in_flight.started(handle, time.perf_counter() - t0)
 
     def wait_for_snapshot(self) -> None:
-        """Blocks until the snapshot being taken is complete: the only place training
-        waits on a checkpoint. Raises, once, what the plan or the copy met, and what the
-        background work's agreed failures are (`EngineState.raise_failure`)."""
-        handle = self._handle
-        if handle is None:
-            self._raise_failure()
-            return
-        t0 = time.perf_counter()
-        window = t0 - self._saved_at if self._saved_at is not None else None
-        self._handle = None
-        try:
-            header = handle.wait()
-        except BaseException:
-            # Raised once, here: the engine stays usable (restore, close), and the
-            # failed checkpoint is not reported again as in flight.
-            self._in_flight.discard(handle.step)
-            raise
-        assert handle.slot is not None
-        self.books.snapshot_taken(handle.slot)
-        if self.auto_k is not None and window is not None:  # k_snapshot="auto"
-            choice = self.auto_k.observe(header, handle.copy_s, window, handle.plan_s,
-                                         self.parts.chain.stems, self.parts.ledger.k)
-            if choice is not None:
-                self.books.choose(choice)  # shared at the next plan
-            self.auto_k = self.auto_k if self.auto_k.measuring else None
-        self._in_flight.taken(handle, time.perf_counter() - t0)
+        """Blocks until the snapshot being taken is captured (every byte in its slot: the
+        state may change again): the only place training waits on a checkpoint. Its seal
+        (checksums, header) goes on in the background. Raises, once, what the plan, the
+        capture or an earlier seal met, and what the background work's agreed failures
+        are (`EngineState.raise_failure`)."""
+        self._in_flight.wait_captured()
+        self._settle(block=False)  # the seal before it is over: the thread runs in order
         self._raise_failure()
+
+    def _settle(self, block: bool) -> None:
+        """Take the seals that are over (`block`: wait for every one): their results are
+        final, `k_snapshot="auto"` measures them, and a seal that failed is raised here,
+        once."""
+        sealed = self._in_flight.sealed(block)
+        if self.auto_k is not None and sealed:
+            choice = self.auto_k.observe(sealed, self.parts.chain.stems, self.parts.ledger.k)
+            if choice is not None:
+                with self.planner.lock:  # no plan runs now; the seal's own may touch books
+                    self.books.choose(choice)  # shared at the next plan
+            self.auto_k = self.auto_k if self.auto_k.measuring else None
 
     def _raise_failure(self) -> None:
         """The engine's one exit for the failures of its background work (agreed by
         every rank at a plan's exchange): raised here, on the caller's thread."""
         self.books.raise_failure(self._persist_lost)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a snapshot is being captured: the state must not change until
+        `wait_for_snapshot()` returns (the optimizer hooks wait for it)."""
+        return self._in_flight.capturing
 
     @property
     def pending(self) -> bool:
@@ -313,14 +285,16 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         """Checkpoints whose snapshot is taken and whose persist has finished or was
         skipped. Rank 0 hears of persists; the other ranks report snapshots only."""
         rank = self.parts.groups.rank
+        self._settle(block=False)
         if rank == 0:
             self.planner.poll()
         return self._in_flight.drain(rank, self.parts.mode)
 
     def flush(self) -> None:
-        """Wait for the snapshot and the persist in flight (collective); their results
-        are then in `drain_completed()`."""
+        """Wait for the snapshot (its seal too) and the persist in flight (collective);
+        their results are then in `drain_completed()`."""
         self.wait_for_snapshot()
+        self._settle(block=True)
         self.wait_for_replicas()  # a restore's transfers use the same process group
         self.planner.share(block=True)
         self._raise_failure()
@@ -358,6 +332,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         persist that commits after the restore.
         """
         self.flush()
+        self.snapshots.wait_prepared()  # the slots are the restore's to read now
         try:
             return restore_engine(self.parts, self.snapshots, self.books, step)
         finally:
@@ -399,7 +374,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         the persist process is killed (its step is abandoned, never half-committed: a
         commit is atomic) and the slots are unmapped. The snapshots stay in the node's
         memory: the new engine restores from them."""
-        self._handle = None
+        self._in_flight.abandon()
         try:
             self._release(self.persist.abandon, remove_memory=False)
         except CheckpointError as e:  # retention's: there is no caller to raise it to
@@ -412,7 +387,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         retention (its error raised) and the directory's lock, whatever fails."""
         p = self.parts
         try:
-            self._step_hook.remove()
+            self._hooks.remove()
             end_persist()
         finally:
             self.snapshots.release()

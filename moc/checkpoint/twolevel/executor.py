@@ -34,6 +34,7 @@ from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.store.tidy import WriteTidy
 from moc.checkpoint.twolevel.commit import watch_part
+from moc.checkpoint.twolevel.jobdir import claim_job
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.protocol import (
@@ -45,7 +46,6 @@ from moc.checkpoint.twolevel.protocol import (
     Persist,
     Ready,
 )
-from moc.checkpoint.twolevel.slots import claim_job
 from moc.topology import ParallelGroups
 
 

@@ -50,9 +50,10 @@ from moc.checkpoint.recovery import (
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
+from moc.checkpoint.twolevel.jobdir import job_dir
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.replica import ReplicaStore, receive_replica, send_replica
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore, job_dir
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 
 log = logging.getLogger(__name__)
 

@@ -67,6 +67,7 @@ from moc.checkpoint.twolevel.commit import (
     write_begin,
     write_part,
 )
+from moc.checkpoint.twolevel.jobdir import secure_job_dir, write_private
 from moc.checkpoint.twolevel.protocol import (
     MAX_DONE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -82,7 +83,7 @@ from moc.checkpoint.twolevel.protocol import (
     Ready,
     Stop,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore, secure_job_dir, write_private
+from moc.checkpoint.twolevel.slots import SnapshotStore
 
 POLL_S = 0.05
 """How often the persist process, idle, looks for a dead parent (a message wakes it at

@@ -35,7 +35,7 @@ import torch
 from moc.checkpoint.dist import Dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.plan.units import rank_share
-from moc.checkpoint.state import RankState
+from moc.checkpoint.state import RankState, TakenAtSave
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, step_dir
 from moc.checkpoint.twolevel.engine_state import EngineState
@@ -149,7 +149,7 @@ class SnapshotPlanner:
 
     def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
              final: bool = False, rejected: str | None = None,
-             captured: dict[str, torch.Tensor] | None = None,
+             captured: TakenAtSave | None = None,
              run: dict[str, Any] | None = None) -> SnapshotJob:
         """On the snapshot thread: what `step`'s snapshot copies and where, and its
         persist request. Collective (one small all-reduce). `final`: every expert is
@@ -164,7 +164,7 @@ class SnapshotPlanner:
 
     def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
               final: bool, rejected: str | None,
-              captured: dict[str, torch.Tensor] | None, run: dict[str, Any]) -> SnapshotJob:
+              captured: TakenAtSave | None, run: dict[str, Any]) -> SnapshotJob:
         g, books, cfg = self.groups, self.books, self.config
         n_rejected = self.share(block=final or cfg.persist_policy == "wait", counts=counts,
                                 rejected=rejected is not None)
@@ -193,7 +193,9 @@ class SnapshotPlanner:
             future = self.persist.execute(PersistRequest(step, plan.prev_step, plan.template))
         held, persist, rank = list(state), self.persist, g.rank
 
-        def on_done(header: SnapshotHeader) -> None:  # on the snapshot thread
+        def on_done(header: SnapshotHeader) -> None:  # on the snapshot thread, sealed
+            with self.lock:
+                books.snapshot_taken(plan.slot)
             if persist_now:
                 persist.ready(rank, step, plan.slot, plan.write, held)
 

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.format import CRC32C, digest, tensor_bytes
+from moc.checkpoint.twolevel.jobdir import write_private
 from moc.checkpoint.twolevel.sizing import snapshot_experts
 from moc.checkpoint.twolevel.slots import (
     ALIGN,
@@ -68,7 +69,6 @@ from moc.checkpoint.twolevel.slots import (
     SlotEntry,
     SnapshotHeader,
     SnapshotStore,
-    write_private,
 )
 
 REPLICA_SLOTS = 2
@@ -271,7 +271,7 @@ class ReplicaStore(SnapshotStore):
         """Write the header (atomically: complete from here on), then reserve the other
         slot at this size so a node short of memory fails now, not mid-transfer."""
         write_private(self.header_path(slot), header.to_json())
-        self._reserve_free_slots(size)
+        self.prepare(size)
 
 
 def replica_keys(header: SnapshotHeader, stems: dict[str, int], n_experts: int,

@@ -1,8 +1,9 @@
 """The caller's records of the checkpoints in flight, until their results are final.
 
     records = Checkpoints()
-    records.started(step, save_s, replica)   # save(): handed to the snapshot thread
-    records.taken(handle, wait_s)            # wait_for_snapshot(): its copy is done
+    records.started(handle, save_s)          # save(): handed to the snapshot thread
+    records.wait_captured()                  # wait_for_snapshot(): its copy has landed
+    records.sealed(block)                    # its seal is over: the snapshot is complete
     records.drain(rank, mode)                # the final ones, as CheckpointResults
 
 Owned by the caller's thread: the snapshot thread and the persist process reach a record
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -24,6 +26,17 @@ from moc.checkpoint.twolevel.replica import ReplicaReport
 from moc.checkpoint.twolevel.worker import SnapshotHandle
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SnapshotTiming:
+    """What training did beside one snapshot (for `k_snapshot="auto"`)."""
+
+    window: float
+    """Seconds training ran between `save()` returning and `wait_for_snapshot()`."""
+    period: float | None
+    """Seconds between the last two saves (None at the first): what a snapshot's plan,
+    capture and seal together may take before the next one waits behind them."""
 
 
 @dataclass
@@ -39,6 +52,12 @@ class InFlight:
     """This rank's replication round (across nodes), on the snapshot thread."""
     snapshot_phases: Phases | None = None
     copy_Bps: float | None = None
+    handle: SnapshotHandle | None = None
+    """The snapshot, once captured and until its seal is taken (`Checkpoints.sealed`)."""
+    saved_at: float = 0.0
+    """When `save()` returned (`time.perf_counter`)."""
+    timing: SnapshotTiming | None = None
+    """The time training ran beside it, once captured."""
 
     @property
     def done(self) -> Done | None:
@@ -86,6 +105,10 @@ class Checkpoints:
 
     def __init__(self) -> None:
         self._records: dict[int, InFlight] = {}
+        self._sealing: list[int] = []  # captured, their seal not taken yet: oldest first
+        self._capturing: SnapshotHandle | None = None  # saved, not waited for yet
+        self._last_save: float | None = None  # when the save before returned
+        self._period: float | None = None  # between the last two saves
 
     def __contains__(self, step: int) -> bool:
         return step in self._records
@@ -93,19 +116,79 @@ class Checkpoints:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def started(self, step: int, save_s: float, replica: Future | None) -> None:
-        self._records[step] = InFlight(step, save_s, replica=replica)
+    def started(self, handle: SnapshotHandle, save_s: float) -> None:
+        """`save()` handed `handle`'s step to the snapshot thread (in `save_s`); it
+        returns now, and the snapshot is being captured until `wait_captured`."""
+        now = time.perf_counter()
+        if self._last_save is not None:
+            self._period = now - self._last_save
+        self._last_save = now
+        self._capturing = handle
+        self._records[handle.step] = InFlight(handle.step, save_s, replica=handle.replica,
+                                              saved_at=now)
+
+    @property
+    def capturing(self) -> bool:
+        return self._capturing is not None
+
+    def wait_captured(self) -> None:
+        """Block until the snapshot being captured is (`SnapshotHandle.wait`), if one
+        is. What its plan or capture met is raised here, once: the engine stays usable
+        (restore, close), and the failed checkpoint is not reported again."""
+        handle, self._capturing = self._capturing, None
+        if handle is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            handle.wait()
+        except BaseException:
+            self.discard(handle.step)
+            raise
+        self.captured(handle, t0)
+
+    def abandon(self) -> None:
+        """The snapshot being captured is let go (its engine is abandoned)."""
+        self._capturing = None
 
     def discard(self, step: int) -> None:
         """Its snapshot failed (raised once, by `wait_for_snapshot`): never reported."""
         self._records.pop(step, None)
 
-    def taken(self, handle: SnapshotHandle, wait_s: float) -> None:
-        """Its snapshot is complete: what the copy took, and what the plan decided."""
+    def captured(self, handle: SnapshotHandle, waited_from: float) -> None:
+        """Its snapshot is captured (training waited for it from `waited_from`, a
+        `time.perf_counter` reading); its seal goes on."""
         rec = self._records[handle.step]
-        rec.wait_s, rec.snapshot_s = wait_s, handle.seconds
-        rec.snapshot_phases, rec.copy_Bps = handle.phases, handle.copy_Bps
-        rec.outcome = handle.job.outcome if handle.job is not None else None
+        rec.wait_s, rec.handle = time.perf_counter() - waited_from, handle
+        rec.timing = SnapshotTiming(waited_from - rec.saved_at, self._period)
+        self._sealing.append(handle.step)
+
+    def sealed(self, block: bool) -> list[tuple[SnapshotHandle, SnapshotTiming]]:
+        """The captured snapshots whose seal is over (`block`: waited for), oldest first:
+        what the snapshot took and what the plan decided are filled in, and each is
+        returned once with its window. A seal that failed is raised here, once, and its
+        checkpoint is never reported (as a failed capture is not). Nothing to do (no
+        seal outstanding, as on every ordinary step) costs one test."""
+        out = []
+        while self._sealing:
+            rec = self._records.get(self._sealing[0])
+            handle = rec.handle if rec is not None else None
+            if handle is not None and not (block or handle.sealed.done()):
+                break  # the snapshot thread runs in order: the later ones are not over
+            self._sealing.pop(0)
+            if rec is None or handle is None:
+                continue  # discarded meanwhile
+            rec.handle = None
+            try:
+                handle.wait_sealed()
+            except BaseException:
+                del self._records[rec.step]
+                raise
+            rec.snapshot_s, rec.snapshot_phases = handle.seconds, handle.phases
+            rec.copy_Bps = handle.copy_Bps
+            rec.outcome = handle.job.outcome if handle.job is not None else None
+            assert rec.timing is not None
+            out.append((handle, rec.timing))
+        return out
 
     def persisted_again(self, step: int, persist: Future[Done]) -> None:
         """`close()` persisted `step` again (its own persist failed or was skipped): its

@@ -8,13 +8,17 @@ K_snapshot whose copy still hides behind a forward and backward pass (`choose_k`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moc.checkpoint.policy.selection import SelectionContext, interleaves, select_experts
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.twolevel.slots import SnapshotHeader
+
+if TYPE_CHECKING:
+    from moc.checkpoint.twolevel.results import SnapshotTiming
+    from moc.checkpoint.twolevel.worker import SnapshotHandle
 
 
 def parse_k_snapshot(k_snapshot: int | str | None, n_experts: int) -> tuple[int, bool]:
@@ -77,14 +81,20 @@ def snapshot_keys(state: dict[str, torch.Tensor], experts: list[set[int]],
 
 def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: float,
              stems: dict[str, int], n_experts: int, n_moe_layers: int, floor: int,
-             ep: int = 1) -> dict[str, Any]:
-    """The paper's adaptive configuration: the largest K_snapshot whose copy still hides
-    behind a forward and backward pass, from a copy just measured (its bytes in `header`
-    and the time of the copy itself, `seconds`: with its checksums, without the one-time
-    reservation of the slots' memory) and the time training ran meanwhile (`window`:
-    save() returning to wait_for_snapshot()) less the time the plan took before the copy
-    (`plan_s`). Never below `floor` (K_persist: the persist reads from the snapshot).
-    When K_snapshot < N, `reason` says why, in numbers.
+             ep: int = 1, seal_s: float = 0.0, period: float | None = None
+             ) -> dict[str, Any]:
+    """The paper's adaptive configuration: the largest K_snapshot whose capture still
+    hides behind a forward and backward pass, from a capture just measured (its bytes in
+    `header` and the time of its copies, `seconds`: without the one-time preparation of
+    the slots) and the time training ran meanwhile (`window`: save() returning to
+    wait_for_snapshot()) less the time the plan took before the copy (`plan_s`). Never
+    below `floor` (K_persist: the persist reads from the snapshot).
+
+    The seal (`seal_s`: the checksums the copy did not take, the header) runs after the
+    capture, while training goes on, but on the same thread as the next snapshot: plan,
+    capture and seal together must fit in the time between two saves (`period`, when
+    known), or every snapshot would start later than the one before. K_snapshot is the
+    largest that fits both. When K_snapshot < N, `reason` says why, in numbers.
 
     The measured copy is this rank's: its share of the experts (N / ep per layer under
     expert parallelism), so what fits is counted in the rank's own experts first. When
@@ -107,20 +117,28 @@ def choose_k(header: SnapshotHeader, seconds: float, window: float, plan_s: floa
     total = sum(nbytes.values())
     bandwidth = total / max(seconds, 1e-9)
     room = max(0.0, window - plan_s)
-    budget = bandwidth * room - dense
+    fits = bandwidth * room  # bytes whose capture hides behind the window
+    pipeline = None
+    if period is not None and seal_s > 0:
+        pipeline = total / max(seconds + seal_s, 1e-9)  # bytes/s captured and sealed
+        fits = min(fits, pipeline * max(0.0, period - plan_s))
+    budget = fits - dense
     fit = int(budget // per_k) if per_k else local  # of this rank's experts per layer
     k = n_experts if fit >= local else max(0, fit) * (ep if interleaves(n_experts, ep) else 1)
     k = max(min(floor, n_experts), min(n_experts, k))
     reason = None
     if k < n_experts:
-        reason = (f"a complete snapshot ({total / 1e6:.0f} MB on this rank) copies in "
-                  f"{seconds:.3f} s at {bandwidth / 1e9:.2f} GB/s, but forward and backward "
-                  f"leave it {room:.3f} s ({window:.3f} s less {plan_s:.3f} s of planning): "
-                  f"{max(0, fit)} of the rank's {local} experts per layer fit, so {k} of "
-                  f"{n_experts}; k_snapshot='all' takes every expert anyway (training then "
-                  "waits for the rest of the copy)")
+        seal = ("" if pipeline is None else
+                f", and seals at {total / max(seal_s, 1e-9) / 1e9:.2f} GB/s in the "
+                f"{period:.3f} s between saves")
+        reason = (f"a complete snapshot ({total / 1e6:.0f} MB on this rank) is captured in "
+                  f"{seconds:.3f} s at {bandwidth / 1e9:.2f} GB/s{seal}, but forward and "
+                  f"backward leave it {room:.3f} s ({window:.3f} s less {plan_s:.3f} s of "
+                  f"planning): {max(0, fit)} of the rank's {local} experts per layer fit, "
+                  f"so {k} of {n_experts}; k_snapshot='all' takes every expert anyway "
+                  "(training then waits for the rest of the copy)")
     return {"k_snapshot": k, "window_s": window, "plan_s": plan_s, "copy_Bps": bandwidth,
-            "copy_s": seconds, "reason": reason}
+            "copy_s": seconds, "seal_s": seal_s, "period_s": period, "reason": reason}
 
 
 def _itemsize(dtype: str) -> int:
@@ -148,17 +166,23 @@ class AutoSnapshotK:
         self._seen = 0
         self._choices: list[dict[str, Any]] = []  # rank 0: what each snapshot allowed
 
-    def observe(self, header: SnapshotHeader, copy_s: float, window: float, plan_s: float,
+    def observe(self, sealed: list[tuple[SnapshotHandle, SnapshotTiming]],
                 stems: dict[str, int], floor: int) -> dict[str, Any] | None:
-        """One snapshot measured; rank 0's choice once the last sample is in (None
-        before, and on the other ranks)."""
-        if self.rank == 0:
-            self._choices.append(choose_k(header, copy_s, window, plan_s, stems,
-                                          self.n_experts, self.n_moe_layers, floor, self.ep))
-        self._seen += 1
-        if self._seen < AUTO_SAMPLES:
-            return None
-        self.measuring = False
-        if not self._choices:
+        """Sealed snapshots measured (not one whose slot was not prepared before it: the
+        preparation is a one-time cost, not the copy's); rank 0's choice once the last
+        sample is in (None before, and on the other ranks: rank 0 decides, and the
+        engine shares its choice at the next plan)."""
+        for handle, timing in sealed:
+            if not self.measuring or handle.header is None or not handle.prepared:
+                continue
+            if self.rank == 0:
+                self._choices.append(choose_k(
+                    handle.header, handle.copy_s, timing.window, handle.plan_s, stems,
+                    self.n_experts, self.n_moe_layers, floor, self.ep,
+                    seal_s=handle.seal_s, period=timing.period))
+            self._seen += 1
+            if self._seen >= AUTO_SAMPLES:
+                self.measuring = False
+        if self.measuring or not self._choices:
             return None
         return max(self._choices, key=lambda c: (c["k_snapshot"], c["copy_Bps"]))

@@ -1,13 +1,16 @@
 """A rank's snapshots: its slots in node-local shared memory, the thread that fills them,
 and (across nodes) the replica of each snapshot sent to a peer node's memory.
 
-    snapshots = Snapshotter(job, rank, nodes, k_replica, jump, rate)   # collective across nodes
+    snapshots = Snapshotter(job, rank, nodes, k_replica, jump, rate, device)  # collective
+    snapshots.prepare(size)                 # the slots made ready, in the background
     handle = snapshots.stage(step, plan, ready, chain, spec, ep)        # returns at once
-    header = handle.wait()                  # the copy is done (right before optimizer.step)
+    handle.wait()                           # captured (right before optimizer.step)
+    header = handle.wait_sealed()           # sealed: a recovery source
     handle.replica                          # this rank's replica round, a future (or None)
 
-The engine hands it a plan (what to copy where) and reads handles; the slots, the worker
-thread, the replica group and its stores are behind this object.
+The engine hands it a plan (what to copy where) and reads handles; the slots, the copier
+(a CUDA stream of its own on a GPU), the worker thread, the replica group and its stores
+are behind this object.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.storage import Storage
+from moc.checkpoint.twolevel.capture import copier_for
+from moc.checkpoint.twolevel.jobdir import job_dir, remove_job
 from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node
+from moc.checkpoint.twolevel.native import default_threads
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.replica import ReplicaChannel
 from moc.checkpoint.twolevel.replication import Replication
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore, job_dir, remove_job
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
 
 log = logging.getLogger(__name__)
@@ -38,10 +45,17 @@ class Snapshotter:
     caller's thread (stage, wait, release); the thread runs what it is handed."""
 
     def __init__(self, job: str, rank: int, nodes: NodeLayout, k_replica: int,
-                 replica_jump: int, replica_rate: float | None) -> None:
+                 replica_jump: int, replica_rate: float | None,
+                 device: torch.device | None = None) -> None:
+        """`device`: where the model's state lives (a CUDA device: its copies run on a
+        stream of their own into pinned slots; None or a CPU: host copies)."""
         self.job, self.rank, self.nodes = job, rank, nodes
-        self.store = SnapshotStore(job, rank)
+        self.threads = default_threads()
+        """Native threads a seal hashes on."""
+        self.copier = copier_for(device)
+        self.store = SnapshotStore(job, rank, pin=self.copier.pin)
         self.worker = SnapshotWorker()
+        self._prepared: Future | None = None
         self.peers: Peers | None = None
         """Across nodes: the replica group, for replication and for restores that reach
         another node's memory."""
@@ -62,12 +76,57 @@ class Snapshotter:
               chain: ChainState, spec: ExpertSpec, ep: int) -> SnapshotHandle:
         """Hand `step`'s snapshot to the thread: `plan` decides what to copy and where,
         then the copy; across nodes, then its replica round (`handle.replica`)."""
-        handle = SnapshotHandle(self.worker, self.store, step, plan, ready)
+        handle = SnapshotHandle(self.worker, self.store, self.copier, step, plan, ready,
+                                self.threads)
         replication = self.replication
         if replication is not None:
             handle.replica = self.worker.submit(lambda: replication.round(
                 handle, self.store, chain.stems, spec, ep))
         return handle
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device the snapshots copy from (None: the host)."""
+        return self.copier.pin
+
+    def mark_ready(self) -> Any:
+        """On the training thread, at a save: a CUDA event recorded on the current
+        stream, which the snapshot's plan and copies wait for (the state and what
+        `save()` queued for the host are final once the work before it is done); None
+        on the host. Blocking: whoever waits for it sleeps, and never spins a core."""
+        if self.copier.pin is None:
+            return None
+        ready = torch.cuda.Event(blocking=True)
+        ready.record(torch.cuda.current_stream(self.copier.pin))
+        return ready
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the slots were prepared (or are being prepared) ahead of snapshots."""
+        return self._prepared is not None
+
+    def prepare(self, size: int) -> None:
+        """Make the slots ready for snapshots of `size` bytes (`SnapshotStore.prepare`:
+        reserved, faulted in, pinned), on the snapshot thread, ahead of the snapshot that
+        needs them; once (a later, larger state is prepared by its snapshot). A failure
+        here is met again, and reported, by that snapshot."""
+        if self._prepared is not None:
+            return
+        store = self.store
+
+        def run() -> None:
+            try:
+                store.prepare(size)
+            except Exception as e:  # reported by the snapshot that meets it again
+                log.info("the snapshot slots could not be prepared ahead: %s", e)
+
+        self._prepared = self.worker.submit(run)
+
+    def wait_prepared(self) -> None:
+        """Block until the slots' preparation (if any) is over: before the caller's
+        thread reads them (a restore)."""
+        if self._prepared is not None:
+            self._prepared.result()
 
     @staticmethod
     def wait_for_replicas(rounds: list[Future]) -> None:

@@ -1,14 +1,16 @@
-"""The snapshot thread of one rank: a plan, then a copy into a slot, behind forward and
-backward.
+"""The snapshot thread of one rank: a plan, then the capture into a slot behind forward
+and backward, then the seal.
 
     worker = SnapshotWorker()
-    handle = SnapshotHandle(worker, store, step, plan, ready)   # returns at once
-    ...                                                         # forward, backward
-    header = handle.wait()     # blocks until the copy is done: right before optimizer.step()
+    handle = SnapshotHandle(worker, store, copier, step, plan, ready)   # returns at once
+    ...                                                  # forward, backward
+    handle.wait()          # blocks until captured: right before optimizer.step()
+    header = handle.wait_sealed()   # a recovery source (flush, restore, close)
 
-The copy releases the GIL (tensor copies, the digest), so it overlaps the next forward
-and backward. `plan` decides what to copy and where; it may run collectives of its own
-(on the side group: see `moc.checkpoint.dist` for why that is safe on this thread).
+The copies and the checksums release the GIL (one native call each), so they overlap the
+next forward and backward. `plan` decides what to copy and where; it may run collectives
+of its own (on the side group: see `moc.checkpoint.dist` for why that is safe on this
+thread). The thread runs its jobs in order, so a slot is never reused before its seal.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
+from moc.checkpoint.twolevel.capture import Copier, capture, seal
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 
 PRIORITY_ENV = "MOC_CKPT_PRIORITY"
@@ -159,96 +162,145 @@ class SnapshotJob:
     sizing: dict[str, torch.Tensor] | None = None
     """The whole state the slot is laid out for (default: `tensors`)."""
     on_done: Callable[[SnapshotHeader], None] | None = None
-    """Called on the snapshot thread once the snapshot is complete."""
+    """Called on the snapshot thread once the snapshot is sealed."""
     on_error: Callable[[BaseException], None] | None = None
-    """Called on the snapshot thread if the copy fails (before wait() raises it)."""
+    """Called on the snapshot thread if the capture or the seal fails (before the
+    caller's wait raises it)."""
     outcome: Any = None
     """What the plan decided that the caller reports (read after `wait()`)."""
 
 
 class SnapshotHandle:
     """A snapshot being taken on the worker's thread: first `plan` decides what to copy
-    and where (it may run collectives of its own), then the copy.
+    and where (it may run collectives of its own), then the capture, then the seal.
 
-    Both run behind the next forward and backward pass, so deciding costs training no
-    more than copying: the caller pays for handing the work over, and for waiting in
-    `wait()` only when the two together outlast the window. The fields are written by
-    the worker's thread and read by the caller only after `wait()`.
+    The plan and the capture run behind the next forward and backward pass, so deciding
+    costs training no more than copying: the caller pays for handing the work over, and
+    for waiting in `wait()` only when the two together outlast the window. The seal runs
+    behind the steps after it. Two futures, as DCP's async save has: `captured` (the
+    state may change again) and `sealed` (a recovery source; its result is the header).
+    When the copy took the checksums on the way (the fused CPU capture), the seal has
+    only the header left to write, and `captured` waits for it too: a process killed
+    after its capture then never loses that snapshot, for the price of writing a file.
+    The other fields are written by the worker's thread and read by the caller only
+    after the future that covers them.
     """
 
-    def __init__(self, worker: SnapshotWorker, store: SnapshotStore, step: int,
-                 plan: Callable[[], SnapshotJob], ready: Any = None) -> None:
+    def __init__(self, worker: SnapshotWorker, store: SnapshotStore, copier: Copier,
+                 step: int, plan: Callable[[], SnapshotJob], ready: Any = None,
+                 threads: int = 1) -> None:
         """`ready`: a CUDA event recorded on the training stream when the checkpoint was
-        requested; the copy waits for it (the state is final once the work queued before
-        it is done)."""
+        requested; the plan waits for it (the routing counts and param groups `save()`
+        queued for the host are there then), and so does the copy (the state is final
+        once the work queued before it is done). `threads`: native threads the seal
+        hashes on."""
         self.step = step
         self.job: SnapshotJob | None = None
         """The plan's decision (None until it is made, or if it failed)."""
         self.plan_s = 0.0
-        """Time the plan took, before the copy started."""
-        self.seconds = 0.0
-        """Time the snapshot took after the plan: reserving memory (the first time),
-        the copy and its checksums, the header."""
+        """Time the plan took (waiting for `ready` included), before the copy started."""
+        self.capture_s = 0.0
+        """Time the capture took after the plan: reserving memory (when it was not
+        prepared), the copies (and, on the fused CPU path, their checksums)."""
+        self.seal_s = 0.0
+        """Time the seal took: the checksums the copy did not take, the header."""
         self.phases = Phases()
-        """Where the plan's and the snapshot's time went, wall and CPU ("plan",
-        "reserve", "copy", "checksum", "header": `SnapshotStore.write`)."""
+        """Where the plan's and the snapshot's time went, wall and CPU ("queued": behind
+        the work before it on the thread, a previous seal; "plan", "reserve", "copy":
+        `capture.capture`; "checksum", "header": `capture.seal`)."""
         self.nbytes = 0
         """Bytes copied."""
+        self.prepared = False
+        """Whether its slot was ready before the capture (`capture.Captured.prepared`)."""
         self.header: SnapshotHeader | None = None
         self.replica: Future | None = None
         """This rank's replica round of the snapshot, across nodes (`Snapshotter.stage`)."""
-        self._error: BaseException | None = None
+        self.captured: Future[None] = Future()
+        submitted = time.perf_counter()
+        self.sealed: Future[SnapshotHeader] = worker.submit(
+            lambda: self._run(store, copier, plan, ready, threads, submitted))
 
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                with self.phases("plan"):
-                    job = plan()
-            except BaseException as e:  # re-raised as it is by wait()
-                self._error = e
-                return
-            self.job = job
-            t1 = time.perf_counter()
-            self.plan_s = t1 - t0
-            try:
-                self.header = store.write(job.slot, step, job.tensors, job.meta, ready,
-                                          job.sizing, self.phases)
-                self.seconds = time.perf_counter() - t1
-                self.nbytes = sum(t.numel() * t.element_size() for t in job.tensors.values())
-                if job.on_done is not None:
-                    job.on_done(self.header)
-            except BaseException as e:  # re-raised by wait() on the caller's thread
-                self._error = e
-                self.seconds = time.perf_counter() - t1
-                if job.on_error is not None:
-                    with contextlib.suppress(Exception):  # the copy's error is the report
-                        job.on_error(e)
+    def _run(self, store: SnapshotStore, copier: Copier, plan: Callable[[], SnapshotJob],
+             ready: Any, threads: int, submitted: float) -> SnapshotHeader:
+        """On the snapshot thread: the plan, the capture (then `captured` is set), the
+        seal; the header, or what failed, is the result of `sealed`."""
+        t0 = time.perf_counter()
+        self.phases.record("queued", t0 - submitted)
+        try:
+            with self.phases("plan"):
+                if ready is not None:
+                    ready.synchronize()  # sleeps (a blocking event) until it is passed
+                job = plan()
+        except BaseException as e:  # raised as it is by wait()
+            self.captured.set_exception(e)
+            raise
+        self.job = job
+        t1 = time.perf_counter()
+        self.plan_s = t1 - t0
+        try:
+            got = capture(store, copier, job.slot, self.step, job.tensors, ready, job.sizing,
+                          self.phases)
+        except BaseException as e:
+            self.capture_s = time.perf_counter() - t1
+            self.captured.set_exception(self._failed(job, e))
+            raise
+        t2 = time.perf_counter()
+        self.capture_s, self.nbytes, self.prepared = t2 - t1, got.nbytes, got.prepared
+        if got.digests is None:  # the seal hashes: training need not wait for that
+            self.captured.set_result(None)
+        try:
+            header = seal(store, got, job.meta, threads, self.phases)
+            if job.on_done is not None:
+                job.on_done(header)
+        except BaseException as e:
+            failed = self._failed(job, e)
+            if not self.captured.done():
+                self.captured.set_exception(failed)
+            raise failed from e
+        finally:
+            self.seal_s = time.perf_counter() - t2
+        self.header = header
+        if not self.captured.done():
+            self.captured.set_result(None)
+        return header
 
-        self._future = worker.submit(run)
+    def _failed(self, job: SnapshotJob, error: BaseException) -> CheckpointError:
+        """A capture or seal that failed: the plan's `on_error` is told (on this thread),
+        and the error the caller's wait raises is made."""
+        if job.on_error is not None:
+            with contextlib.suppress(Exception):  # the copy's error is the report
+                job.on_error(error)
+        failed = CheckpointError(f"snapshot of step {self.step} failed: {error}")
+        failed.__cause__ = error
+        return failed
 
     @property
     def slot(self) -> int | None:
         return self.job.slot if self.job is not None else None
 
-    def wait(self) -> SnapshotHeader:
-        """Blocks until the copy is complete; raises what the plan or the copy raised
-        (a failed plan, e.g. a peer lost in its collective, as it is)."""
-        self._future.result()  # run() keeps its own errors: this only waits
-        if self._error is not None:
-            if self.job is None:  # the plan failed
-                raise self._error
-            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}"
-                                  ) from self._error
-        assert self.header is not None
-        return self.header
+    @property
+    def seconds(self) -> float:
+        """Time the snapshot took after the plan: its capture and its seal."""
+        return self.capture_s + self.seal_s
+
+    def wait(self) -> None:
+        """Blocks until captured; raises what the plan or the capture raised (a failed
+        plan, e.g. a peer lost in its collective, as it is)."""
+        self.captured.result()
+
+    def wait_sealed(self) -> SnapshotHeader:
+        """Blocks until sealed: the header published. Raises what `wait` raises, or what
+        the seal met."""
+        self.captured.result()
+        return self.sealed.result()
 
     @property
     def copy_s(self) -> float:
-        """The copy's own time, checksums included, without the one-time reservation
-        of the slots' memory (which made a first snapshot look ten times slower)."""
-        return self.phases.wall.get("copy", 0.0) + self.phases.wall.get("checksum", 0.0)
+        """The copy's own time (the capture's, without the one-time reservation of the
+        slots' memory, which made a first snapshot look ten times slower)."""
+        return self.phases.wall.get("copy", 0.0)
 
     @property
     def copy_Bps(self) -> float | None:
-        """The copy's bandwidth, checksums included (None before it is done)."""
-        return self.nbytes / self.copy_s if self.header is not None and self.copy_s else None
+        """The capture's bandwidth (None before it is done)."""
+        return self.nbytes / self.copy_s if self.captured.done() and self.copy_s else None

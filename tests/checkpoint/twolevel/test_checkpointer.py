@@ -16,8 +16,8 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps, step_dir
 from moc.checkpoint.tools import verify_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.jobdir import job_dir
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE
-from moc.checkpoint.twolevel.slots import job_dir
 from moc.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
@@ -306,17 +306,57 @@ def test_a_failed_snapshot_is_raised_once_and_the_chain_goes_on(tmp_path, monkey
     ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
     records = _train(model, opt, ckpt, 2)
     ckpt.wait_for_snapshot()  # step 2's copy is done before the shared memory "fills"
-    real_write = ckpt.snapshots.store.write
+    real_open = ckpt.snapshots.store.open
 
     def full_shm(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.snapshots.store, "write", full_shm)
+    monkeypatch.setattr(ckpt.snapshots.store, "open", full_shm)
     ckpt.save(3, {"step": 3})
     with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed.*No space left"):
         ckpt.wait_for_snapshot()
     assert ckpt.wait_for_snapshot() is None  # raised once, not at every later call
-    monkeypatch.setattr(ckpt.snapshots.store, "write", real_write)
+    monkeypatch.setattr(ckpt.snapshots.store, "open", real_open)
+    records += _train(model, opt, ckpt, 2, start=4)
+    ckpt.flush()
+    records += ckpt.drain_completed()
+    ckpt.close()
+    assert sorted(r.step for r in records if r.error is None) == [1, 2, 4, 5]
+    assert complete_steps(root) == [1, 2, 4, 5]
+    assert verify_checkpoints(root).ok
+
+
+@pytest.mark.parametrize("capture", ["split", "fused"])
+def test_a_failed_seal_is_raised_once_and_the_chain_goes_on(tmp_path, monkeypatch, capture):
+    """A header that cannot be written (a full /dev/shm) is raised once: split, the seal
+    runs after training was let go, and the next call that waits for it raises; fused,
+    the capture waits for the header, and `wait_for_snapshot` raises. Its persist is
+    abandoned, the slot is no recovery source, and later checkpoints go on."""
+    from moc.checkpoint.errors import CheckpointError
+    from moc.checkpoint.twolevel.capture import CAPTURE_ENV
+
+    monkeypatch.setenv(CAPTURE_ENV, capture)
+    root = tmp_path / "ckpt"
+    model, opt = _build(0)
+    ckpt = TwoLevelCheckpointer(model, opt, root, interval=1, persist_policy="wait")
+    records = _train(model, opt, ckpt, 2)
+    ckpt.flush()
+    real_publish = ckpt.snapshots.store.publish
+
+    def full_shm(slot, header):
+        raise CheckpointError(f"cannot write the header of the snapshot of step "
+                              f"{header.step}: No space left on device")
+
+    monkeypatch.setattr(ckpt.snapshots.store, "publish", full_shm)
+    ckpt.save(3, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed.*No space left"):
+        if capture == "split":
+            ckpt.wait_for_snapshot()  # captured: training goes on, the seal fails behind
+        ckpt.flush()
+    ckpt.flush()  # raised once
+    assert 3 not in {h.step for h in ckpt.snapshots.headers().values()}
+    monkeypatch.setattr(ckpt.snapshots.store, "publish", real_publish)
+    records += ckpt.drain_completed()
     records += _train(model, opt, ckpt, 2, start=4)
     ckpt.flush()
     records += ckpt.drain_completed()

@@ -17,7 +17,7 @@ import torch.optim.optimizer as optimizer_hooks
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.twolevel import slots
+from moc.checkpoint.twolevel import native
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.model import ModelConfig, Transformer
 from tests.checkpoint.twolevel.test_checkpointer import _train
@@ -31,12 +31,12 @@ def _count_forward(module, args) -> None:
     module.forwards.add_(1)
 
 
-def _build(seed: int):
+def _build(seed: int, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = Transformer(CFG)
+    model = Transformer(CFG).to(device)
     # A persistent buffer that every forward pass updates in place, as running
     # statistics or a step counter would.
-    model.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+    model.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device))
     model.register_forward_pre_hook(_count_forward)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -63,8 +63,9 @@ def _assert_same(a, b):
     assert (fa, la) == (fb, lb)
 
 
-def _step(model, opt, seed: int):
+def _step(model, opt, seed: int, device: str = "cpu"):
     idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+    idx = idx.to(device)
     model(idx, idx).loss.backward()
 
 
@@ -78,9 +79,9 @@ def test_an_optimizer_step_without_wait_for_snapshot_waits_for_the_copy(tmp_path
     _step(model, opt, 3)
     unrelated = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     unrelated.step()  # another model's optimizer does not wait for this engine
-    assert ckpt._handle is not None
+    assert ckpt.capturing
     opt.step()  # no wait_for_snapshot(): the step must wait by itself
-    assert ckpt._handle is None  # it did: the snapshot was waited for before the update
+    assert not ckpt.capturing  # it did: the snapshot was waited for before the update
     ckpt.flush()
     assert [r.step for r in ckpt.drain_completed() if r.error is None] == [1, 2]
     ckpt.close(keep_snapshots=True)
@@ -129,7 +130,7 @@ def test_a_change_in_place_during_the_copy_discards_the_snapshot(tmp_path, monke
     ckpt.wait_for_snapshot()
     at_2 = _state(model, opt)
     copied, go = threading.Event(), threading.Event()
-    real_copy = slots.copy_and_checksum
+    real_copy = native.copy_and_digest
 
     def held_copy(*args, **kwargs):
         out = real_copy(*args, **kwargs)
@@ -137,7 +138,7 @@ def test_a_change_in_place_during_the_copy_discards_the_snapshot(tmp_path, monke
         assert go.wait(30)
         return out
 
-    monkeypatch.setattr(slots, "copy_and_checksum", held_copy)
+    monkeypatch.setattr(native, "copy_and_digest", held_copy)
     records += _train(model, opt, ckpt, 1, start=3)  # step 3: saved, its copy held once done
     assert copied.wait(30)
     with torch.no_grad():  # what a loop that bypasses the optimizer might do
@@ -146,7 +147,7 @@ def test_a_change_in_place_during_the_copy_discards_the_snapshot(tmp_path, monke
     with pytest.raises(CheckpointError, match=r"snapshot of step 3 failed: the state changed "
                        r"while the snapshot of step 3 was being copied \('param/lm_head"):
         ckpt.wait_for_snapshot()
-    monkeypatch.setattr(slots, "copy_and_checksum", real_copy)
+    monkeypatch.setattr(native, "copy_and_digest", real_copy)
     ckpt.flush()
     records += ckpt.drain_completed()
     assert sorted(r.step for r in records if r.error is None) == [1, 2]

@@ -13,7 +13,7 @@ import torch
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import OWNER, default_job_id, job_dir
+from moc.checkpoint.twolevel.jobdir import OWNER, default_job_id, job_dir
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
 

@@ -18,6 +18,8 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.tools import verify_checkpoints
+from moc.checkpoint.twolevel.capture import write_snapshot
+from moc.checkpoint.twolevel.jobdir import claim_job, job_dir, read_owner
 from moc.checkpoint.twolevel.persist import (
     PersistClient,
     read_secret,
@@ -25,7 +27,7 @@ from moc.checkpoint.twolevel.persist import (
     socket_path,
 )
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Failed, Persist, Ready
-from moc.checkpoint.twolevel.slots import SnapshotStore, claim_job, job_dir, read_owner
+from moc.checkpoint.twolevel.slots import SnapshotStore
 from tests.fs import fill, tmpfs
 
 JOB = "persist-test"
@@ -45,7 +47,7 @@ def _snapshot(rank: int, step: int, slot: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s state at `step`, copied into its slot; returns it."""
     state = {f"param/w{rank}": torch.full((4,), float(step + rank)),
              "param/dense": torch.full((2,), float(step)), f"rng/rank={rank}": torch.arange(3)}
-    SnapshotStore(JOB, rank).write(slot, step, state, {})
+    write_snapshot(SnapshotStore(JOB, rank), slot, step, state, {})
     return state
 
 

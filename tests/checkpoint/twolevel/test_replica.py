@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.capture import write_snapshot
+from moc.checkpoint.twolevel.jobdir import remove_job
 from moc.checkpoint.twolevel.replica import (
     REPLICA_SLOTS,
     ReplicaStore,
@@ -32,7 +34,6 @@ from moc.checkpoint.twolevel.slots import (
     SlotEntry,
     SnapshotHeader,
     SnapshotStore,
-    remove_job,
     slot_capacity,
     slot_layout,
 )
@@ -65,7 +66,8 @@ def _node(base: str, rank: int) -> None:
 
 def _snapshot(rank: int, step: int, slot: int = 0) -> tuple[SnapshotStore, SnapshotHeader]:
     store = SnapshotStore(JOB, rank)
-    return store, store.write(slot, step, _state(rank, step), {"run_id": "r", "step": step})
+    meta = {"run_id": "r", "step": step}
+    return store, write_snapshot(store, slot, step, _state(rank, step), meta)
 
 
 def _outgoing(store: SnapshotStore, slot: int, header: SnapshotHeader, keys=None):
@@ -215,7 +217,7 @@ def _ring_rank(rank: int, world: int, base: str, steps: list[int], chunk: int) -
     replicas = ReplicaStore(JOB, (rank - 1) % world)
     reports, sizes = [], []
     for i, step in enumerate(steps):
-        header = own.write(i % 3, step, _state(rank, step), {"step": step})
+        header = write_snapshot(own, i % 3, step, _state(rank, step), {"step": step})
         reports.append(exchange_replicas(group, (rank + 1) % world, (rank - 1) % world,
                                          _outgoing(own, i % 3, header), replicas,
                                          chunk_bytes=chunk))
@@ -227,7 +229,7 @@ def _ring_rank(rank: int, world: int, base: str, steps: list[int], chunk: int) -
     pair = dist.new_group([2, 3], backend="gloo")
     if rank in (2, 3):
         peer = 5 - rank
-        header = own.write(0, 99, _state(rank, 99), {})
+        header = write_snapshot(own, 0, 99, _state(rank, 99), {})
         out["pair"] = exchange_replicas(pair, peer, peer, _outgoing(own, 0, header),
                                         ReplicaStore(JOB, peer), chunk_bytes=chunk)
     return out
@@ -392,10 +394,10 @@ def _killed_rank(rank: int, world: int, base: str) -> None:
     group = dist.new_group(backend="gloo")
     own = SnapshotStore(JOB, rank)
     replicas = ReplicaStore(JOB, 1 - rank)
-    header = own.write(0, 10, _state(rank, 10), {})
+    header = write_snapshot(own, 0, 10, _state(rank, 10), {})
     exchange_replicas(group, 1 - rank, 1 - rank, _outgoing(own, 0, header), replicas)
     if rank == 0:  # a replica large and slow enough to be cut short
-        header = own.write(1, 20, {"w": torch.full((BIG,), PATTERN)}, {})
+        header = write_snapshot(own, 1, 20, {"w": torch.full((BIG,), PATTERN)}, {})
         exchange_replicas(group, 1, 1, _outgoing(own, 1, header), replicas, rate_Bps=1e6,
                           chunk_bytes=64 << 10)
     else:

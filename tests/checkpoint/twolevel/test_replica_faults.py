@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moc.checkpoint.twolevel.capture import write_snapshot
 from moc.checkpoint.twolevel.replica import (
     ReplicaChannel,
     ReplicaChannelBroken,
@@ -72,7 +73,7 @@ def _no_room_rank(rank: int, world: int, base: str) -> dict:
     rounds = []
     for i, step in enumerate((10, 20, 30)):
         state = _big(step) if rank == 0 else {"x": torch.arange(5) + step}
-        header = own.write(i % 3, step, state, {})
+        header = write_snapshot(own, i % 3, step, state, {})
         t0 = time.monotonic()
         report = exchange_replicas(group, 1 - rank, 1 - rank, _outgoing(own, i % 3, header),
                                    replicas, chunk_bytes=CHUNK)
@@ -128,7 +129,7 @@ def _bad_read_rank(rank: int, world: int, base: str) -> dict:
     replicas = ReplicaStore(JOB, 1 - rank)
     rounds = []
     for i, step in enumerate((10, 20)):
-        header = own.write(i, step, _big(step), {})
+        header = write_snapshot(own, i, step, _big(step), {})
         header, views, keys = _outgoing(own, i, header)
         if rank == 0 and step == 10:
             FailingRead.ok = 5
@@ -168,7 +169,7 @@ def _stopped_rank(rank: int, world: int, base: str) -> dict:
     replicas = ReplicaStore(JOB, 1 - rank)
     outgoing = None
     if rank == 0:
-        header = own.write(0, 10, {"w": torch.full((1 << 20,), PATTERN)}, {})
+        header = write_snapshot(own, 0, 10, {"w": torch.full((1 << 20,), PATTERN)}, {})
         outgoing = _outgoing(own, 0, header)
     out: dict = {}
     t0 = time.monotonic()

@@ -36,6 +36,23 @@ def test_auto_takes_the_largest_k_whose_copy_fits_the_window():
     assert "3 of the rank's 8 experts per layer fit, so 3 of 8" in choice["reason"]
 
 
+def test_auto_also_fits_the_seal_into_the_time_between_saves():
+    # The capture alone fits every expert (20 kB in 1 s, 60 s of window); but a seal of
+    # 1 s more makes 2 s per 20 kB (10 kB/s), and saves come every 1.1 s less 0.1 s of
+    # planning: 10 kB, the dense 4 kB and 3 experts per layer.
+    choice = choose_k(_header(), seconds=1.0, window=60.0, plan_s=0.1, stems=STEMS,
+                      n_experts=N, n_moe_layers=LAYERS, floor=1, seal_s=1.0, period=1.1)
+    assert choice["k_snapshot"] == 3
+    assert (choice["seal_s"], choice["period_s"]) == (1.0, 1.1)
+    assert "seals at 0.00 GB/s in the 1.100 s between saves" in choice["reason"]
+    # Without a period (the first save) or without a seal (the fused CPU capture took
+    # the checksums), the window alone decides.
+    for seal_s, period in ((1.0, None), (0.0, 1.1)):
+        assert choose_k(_header(), seconds=1.0, window=60.0, plan_s=0.1, stems=STEMS,
+                        n_experts=N, n_moe_layers=LAYERS, floor=1, seal_s=seal_s,
+                        period=period)["k_snapshot"] == N
+
+
 def test_auto_never_goes_below_k_persist_nor_above_n():
     tight = choose_k(_header(), seconds=1.0, window=0.1, plan_s=0.1, stems=STEMS,
                      n_experts=N, n_moe_layers=LAYERS, floor=2)

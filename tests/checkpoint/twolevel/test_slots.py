@@ -19,14 +19,10 @@ from moc.checkpoint import liveness
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.twolevel import slots
-from moc.checkpoint.twolevel.slots import (
-    OWNER,
-    SnapshotStore,
-    claim_job,
-    job_dir,
-    remove_stale_jobs,
-)
+from moc.checkpoint.twolevel import native, slots
+from moc.checkpoint.twolevel.capture import HostCopy, capture, seal, write_snapshot
+from moc.checkpoint.twolevel.jobdir import OWNER, claim_job, job_dir, remove_stale_jobs
+from moc.checkpoint.twolevel.slots import SnapshotStore
 from tests.fs import fill, tmpfs
 from tests.procs import UNSHARE_PIDS, can_unshare_pids, dead_pid
 
@@ -40,23 +36,23 @@ def _state() -> dict[str, torch.Tensor]:
 def test_snapshot_round_trips_every_dtype_and_reuses_its_mapping():
     store = SnapshotStore("job", rank=0)
     state = _state()
-    store.write(0, 10, state, {"extra": 1})
+    write_snapshot(store, 0, 10, state, {"extra": 1})
     first = store._maps[0]
     headers = store.headers()
     assert list(headers) == [0] and headers[0].step == 10 and headers[0].meta == {"extra": 1}
     got = SnapshotStore("job", rank=0).read(0, headers[0])  # a restarted process
     for k, t in state.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
-    store.write(0, 20, state, {})
+    write_snapshot(store, 0, 20, state, {})
     assert store._maps[0] is first  # warm: no new allocation
 
 
 def test_the_first_copy_reserves_every_free_slot_but_leaves_a_snapshot_alone():
     old = SnapshotStore("job", rank=0)
-    old.write(2, 5, {"x": torch.arange(3)}, {})  # a recovery source of another size
+    write_snapshot(old, 2, 5, {"x": torch.arange(3)}, {})  # a recovery source of another size
     old_bytes = old.bin_path(2).read_bytes()
     store = SnapshotStore("job", rank=0)
-    store.write(0, 10, _state(), {})
+    write_snapshot(store, 0, 10, _state(), {})
     size = store.bin_path(0).stat().st_size
     assert store.bin_path(1).stat().st_size == size  # reserved up front, not when needed
     assert store.bin_path(2).read_bytes() == old_bytes and 2 in store.headers()
@@ -65,28 +61,41 @@ def test_the_first_copy_reserves_every_free_slot_but_leaves_a_snapshot_alone():
 
 def test_a_slot_is_not_a_snapshot_until_its_header_is_written(monkeypatch):
     store = SnapshotStore("job", rank=0)
-    store.write(1, 10, _state(), {})
+    write_snapshot(store, 1, 10, _state(), {})
     assert 1 in store.headers()
     # While slot 1 is overwritten its header is gone: a crash mid-copy leaves no snapshot.
-    calls = []
 
-    class CrashMidCopy(slots.Digest):  # the second chunk's digest, after its copy
-        def update(self, data):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("killed")
-            super().update(data)
+    def crash_mid_copy(dsts, srcs, threads=1):  # the first tensor copied, then killed
+        native.copy_all(dsts[:1], srcs[:1])
+        raise RuntimeError("killed")
 
-    monkeypatch.setattr(slots, "Digest", CrashMidCopy)
-    with pytest.raises(RuntimeError):
-        store.write(1, 20, _state(), {})
+    monkeypatch.setattr(native, "copy_and_digest", crash_mid_copy)
+    with pytest.raises(RuntimeError, match="killed"):
+        write_snapshot(store, 1, 20, _state(), {})
     monkeypatch.undo()
     assert 1 not in store.headers()
 
 
+def test_a_captured_snapshot_is_no_snapshot_until_it_is_sealed():
+    """Captured (every byte landed) is not sealed: until the header is published the
+    slot is no recovery source, and the sealed snapshot of another slot stays the
+    newest. The seal then takes the checksums the copy did not."""
+    store = SnapshotStore("job", rank=0)
+    write_snapshot(store, 0, 10, _state(), {})
+    state = {"w": torch.randn(300), "b": torch.randn(7).bfloat16()}
+    got = capture(store, HostCopy(fused=False), 1, 20, state)
+    assert got.digests is None and got.nbytes == 300 * 4 + 7 * 2
+    assert {s: h.step for s, h in store.headers().items()} == {0: 10}
+    header = seal(store, got, {"m": 1})
+    assert {s: h.step for s, h in store.headers().items()} == {0: 10, 1: 20}
+    for key, t in state.items():
+        want = xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
+        assert header.entries[key].crc == want, key
+
+
 def test_a_flipped_byte_in_memory_is_detected():
     store = SnapshotStore("job", rank=0)
-    header = store.write(0, 10, {"w": torch.ones(64)}, {})
+    header = write_snapshot(store, 0, 10, {"w": torch.ones(64)}, {})
     raw = bytearray(store.bin_path(0).read_bytes())
     raw[5] ^= 0xFF
     store.bin_path(0).write_bytes(bytes(raw))
@@ -154,7 +163,7 @@ def test_an_owner_that_exited_unreaped_is_gone():
 
 HOLD_JOB = """
 import sys, time
-from moc.checkpoint.twolevel.slots import claim_job
+from moc.checkpoint.twolevel.jobdir import claim_job
 claim_job(sys.argv[1])
 print("claimed", flush=True)
 time.sleep(120)
@@ -163,7 +172,7 @@ time.sleep(120)
 CLAIM = """
 import sys
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.slots import claim_job, remove_stale_jobs
+from moc.checkpoint.twolevel.jobdir import claim_job, remove_stale_jobs
 print("removed", [p.name for p in remove_stale_jobs(keep=sys.argv[1])])
 try:
     claim_job(sys.argv[1])
@@ -218,7 +227,7 @@ def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
 
     monkeypatch.setattr("os.posix_fallocate", no_space)
     with pytest.raises(CheckpointError, match=r"cannot reserve .* shared memory"):
-        SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(1000)}, {})
+        write_snapshot(SnapshotStore("job", 0), 0, 1, {"w": torch.ones(1000)}, {})
 
 
 # -- who may write the job's directory (docs/THREAT_MODEL.md) --------------------------
@@ -226,7 +235,7 @@ def test_a_full_shared_memory_is_a_clear_error_not_a_crash(monkeypatch):
 
 def test_a_new_job_directory_and_its_files_are_this_users_alone():
     claim_job("mine")
-    SnapshotStore("mine", 0).write(0, 1, {"w": torch.ones(3)}, {})
+    write_snapshot(SnapshotStore("mine", 0), 0, 1, {"w": torch.ones(3)}, {})
     jdir = job_dir("mine")
     assert stat.S_IMODE(jdir.stat().st_mode) == 0o700
     assert stat.S_IMODE((jdir / "rank-00000").stat().st_mode) == 0o700
@@ -262,7 +271,7 @@ def test_a_planted_job_directory_is_refused_by_every_process_that_uses_it(tmp_pa
     with pytest.raises(CheckpointError, match=pattern):
         claim_job("planted")  # rank 0
     with pytest.raises(CheckpointError, match=pattern):
-        SnapshotStore("planted", 1).write(0, 1, {"w": torch.ones(3)}, {})  # a writer
+        write_snapshot(SnapshotStore("planted", 1), 0, 1, {"w": torch.ones(3)}, {})  # a writer
     (job_dir("planted") / "rank-00001").mkdir(exist_ok=True)
     with pytest.raises(CheckpointError, match=pattern):
         SnapshotStore("planted", 1).headers()  # a reader (restore, the persist process)
@@ -282,30 +291,35 @@ def test_a_world_writable_shm_root_without_the_sticky_bit_is_refused(tmp_path, m
 # -- issue 15: checksums while copying, phases, readers that keep their mappings
 
 
-COPIES = [pytest.param(True, id="streamed", marks=pytest.mark.skipif(
-    not slots.STREAMING, reason="no streaming copy in this build")),
-    pytest.param(False, id="numpy")]
+COPIES = [pytest.param(HostCopy(fused=True), id="fused"),
+          pytest.param(HostCopy(fused=False), id="copy-then-seal"),
+          pytest.param(HostCopy(threads=3), id="fused-3-threads")]
 
 
-@pytest.mark.parametrize("streaming", COPIES)
-def test_the_checksum_taken_while_copying_is_the_xxh3_of_each_tensor(monkeypatch, streaming):
-    """Tensors over several copy chunks, a non-contiguous one, an empty one: each
-    entry's digest is the XXH3-64 of exactly its bytes, as xxhash computes it in one
-    call (a digest continued wrongly across chunks, or over the wrong bytes, fails),
-    whichever way the chunks are copied."""
-    monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", 64)
-    monkeypatch.setattr("moc.checkpoint.twolevel.slots.STREAMING", streaming)
-    state = {"big": torch.randn(1000), "t": torch.randn(30, 20).t(),
-             "empty": torch.empty(0), "odd": torch.arange(37, dtype=torch.int16)}
+@pytest.mark.parametrize("python", [False, True], ids=["native", "python"])
+@pytest.mark.parametrize("copier", COPIES)
+def test_the_checksum_of_a_snapshot_is_the_xxh3_of_each_tensor(monkeypatch, copier, python):
+    """Tensors over several copy chunks, a non-contiguous one, an empty one, bfloat16:
+    each entry's digest is the XXH3-64 of exactly its bytes, as xxhash computes it in
+    one call (a digest continued wrongly across chunks, or over the wrong bytes,
+    fails), whether the copy takes it on the way or the seal after, natively or in
+    Python (a build without the C extension)."""
+    if python:
+        monkeypatch.setattr(native, "BATCHED", False)
+        monkeypatch.setattr(native, "COPY_CHUNK", 64)
+    state = {"big": torch.randn(300_000), "t": torch.randn(30, 20).t(),
+             "empty": torch.empty(0), "odd": torch.arange(37, dtype=torch.int16),
+             "half": torch.randn(1001).bfloat16()}
     store = SnapshotStore("job", rank=0)
     phases = Phases()
-    header = store.write(0, 3, state, {}, phases=phases)
+    got = capture(store, copier, 0, 3, state, phases=phases)
+    header = seal(store, got, {}, phases=phases)
     for key, t in state.items():
-        want = xxhash.xxh3_64_intdigest(t.contiguous().numpy().tobytes())
+        want = xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
         assert header.entries[key].crc == want, key
-    got = store.read(0, header)  # verify=True checks the same digests
-    assert all(torch.equal(got[k], t) for k, t in state.items())
-    assert {"reserve", "copy", "header"} <= set(phases.wall)
+    read = store.read(0, header)  # verify=True checks the same digests
+    assert all(torch.equal(read[k], t) for k, t in state.items())
+    assert {"reserve", "copy", "checksum", "header"} <= set(phases.wall)
     assert phases.cpu["copy"] > 0
 
 
@@ -314,7 +328,7 @@ def test_a_header_of_another_checksum_is_no_snapshot(tag):
     """A slot an older moc left in memory (CRC32Cs, or zlib CRC32s with no
     "checksum" tag) is not a recovery source: this one cannot verify it."""
     store = SnapshotStore("job", rank=0)
-    store.write(0, 3, {"x": torch.arange(4)}, {})
+    write_snapshot(store, 0, 3, {"x": torch.arange(4)}, {})
     d = json.loads(store.header_path(0).read_text())
     assert d["checksum"] == "xxh3"
     if tag is None:
@@ -329,7 +343,7 @@ def test_a_flipped_byte_in_a_slot_fails_its_digest():
     """verify=True reads every byte again: one flipped bit of one tensor is refused."""
     store = SnapshotStore("job", rank=0)
     state = {"x": torch.randn(5000), "y": torch.randn(7)}
-    header = store.write(0, 3, state, {})
+    header = write_snapshot(store, 0, 3, state, {})
     buf = store._map(0, store.bin_path(0).stat().st_size)
     buf[header.entries["x"].offset + 4093] ^= 0x10
     with pytest.raises(CheckpointError, match="checksum mismatch for 'x'"):
@@ -341,42 +355,41 @@ def test_a_reader_maps_a_replaced_slot_file_afresh():
     """The persist process keeps its mappings; a slot file replaced meanwhile (same
     size, new file) must be read from the new file, not from the old mapping."""
     writer, reader = SnapshotStore("job", rank=0), SnapshotStore("job", rank=0)
-    first = writer.write(0, 1, {"x": torch.zeros(256)}, {})
+    first = write_snapshot(writer, 0, 1, {"x": torch.zeros(256)}, {})
     assert torch.equal(reader.read(0, first)["x"], torch.zeros(256))
     writer.release()
     writer.bin_path(0).unlink()
-    again = SnapshotStore("job", rank=0).write(0, 2, {"x": torch.ones(256)}, {})
+    again = write_snapshot(SnapshotStore("job", rank=0), 0, 2, {"x": torch.ones(256)}, {})
     assert torch.equal(reader.read(0, again)["x"], torch.ones(256))
 
 
-@pytest.mark.skipif(not slots.STREAMING, reason="no streaming copy in this build")
-@pytest.mark.parametrize("chunk", [64, 100, 4096])
-def test_the_streamed_copy_writes_exactly_the_bytes_the_numpy_copy_writes(monkeypatch, chunk):
-    """Streaming stores need a 16-byte aligned destination, so the copy splits each chunk
-    into a head, 64-byte blocks and a tail: offsets 8 bytes off alignment, chunks that
-    are not a multiple of 16, and sizes around every boundary must come out byte for
-    byte as numpy's copy does, with the same digests, and write nothing outside them."""
-    monkeypatch.setattr("moc.checkpoint.twolevel.slots.COPY_CHUNK", chunk)
+@pytest.mark.skipif(not native.BATCHED, reason="no C extension in this build")
+def test_the_native_copies_write_exactly_the_bytes_the_python_copy_writes(monkeypatch):
+    """Streaming stores need a 16-byte aligned destination, so the copy splits each
+    tensor into a head, 64-byte blocks and a tail: offsets 8 bytes off alignment and
+    sizes around every boundary must come out byte for byte as the Python fallback's,
+    with the same digests, and write nothing outside them."""
     g = torch.Generator().manual_seed(0)
-    sizes = [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 1000, 4097, 10_001]
+    sizes = [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 1000, 4097, 10_001, (512 << 10) + 3]
     state = {f"t{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
              for n in sizes}
     offsets, size = slots.slot_layout(state)
     assert any(off % 16 == 8 for off in offsets.values())  # a head to copy, not only blocks
     out = {}
-    for streaming in (True, False):
+    for batched in (True, False):
+        monkeypatch.setattr(native, "BATCHED", batched)
         buf = torch.full((size + 64,), 0xA5, dtype=torch.uint8)  # 64 guard bytes after
-        out[streaming] = (buf, slots.copy_and_checksum(buf[:size], offsets, state,
-                                                       streaming=streaming))
-    (streamed, s_digests), (copied, c_digests) = out[True], out[False]
-    assert torch.equal(streamed, copied)
-    assert s_digests == c_digests
-    assert torch.all(streamed[size:] == 0xA5)
+        dsts = [buf[offsets[k]:offsets[k] + t.numel()].numpy() for k, t in state.items()]
+        out[batched] = (buf, native.copy_and_digest(dsts, [t.numpy() for t in state.values()]))
+    (fast, fast_digests), (slow, slow_digests) = out[True], out[False]
+    assert torch.equal(fast, slow)
+    assert fast_digests == slow_digests
+    assert torch.all(fast[size:] == 0xA5)
     for key, t in state.items():
-        assert torch.equal(streamed[offsets[key]:offsets[key] + t.numel()], t), key
+        assert torch.equal(fast[offsets[key]:offsets[key] + t.numel()], t), key
 
 
-@pytest.mark.skipif(not slots.STREAMING, reason="no streaming copy in this build")
+@pytest.mark.skipif(not native.STREAMING, reason="no streaming copy in this build")
 def test_the_streaming_copy_refuses_buffers_it_cannot_copy_exactly():
     """Lengths that differ, a read-only destination, a strided buffer: each is refused
     with what was expected, never copied in part."""
@@ -400,7 +413,8 @@ def test_the_streaming_copy_refuses_buffers_it_cannot_copy_exactly():
 def test_the_streaming_copy_is_built_where_it_can_be():
     """setup.py builds the extension as optional, so a failed build would silently fall
     back to numpy's copy: where a compiler is there, the build must have worked."""
-    assert slots.STREAMING, ("moc.checkpoint.twolevel.streamcopy did not build: run "
+    assert native.STREAMING and native.BATCHED, (
+        "moc.checkpoint.twolevel.streamcopy did not build: run "
                              "`pip install -e .` and read its compiler errors")
 
 
@@ -426,13 +440,13 @@ def test_a_failed_reservation_leaves_no_sparse_slot_and_a_later_one_with_room_wo
         store = SnapshotStore("job", 0)
         with pytest.raises(CheckpointError, match=r"cannot reserve [0-9.]+ MB .*No space left.*"
                                                   r"MOC_SHM_ROOT at a larger tmpfs"):
-            store.write(0, 1, state, {})
+            write_snapshot(store, 0, 1, state, {})
         assert _sparse(store) == []
         assert store.headers() == {}
         store.release()
         subprocess.run(["mount", "-o", "remount,size=4m", str(root)], check=True)
         again = SnapshotStore("job", 0)  # a restarted process, now with room
-        header = again.write(0, 2, state, {})
+        header = write_snapshot(again, 0, 2, state, {})
         assert torch.equal(again.read(0, header)["w"], state["w"])
         assert _sparse(again) == [] and all(again.bin_path(s).exists() for s in range(3))
 
@@ -440,9 +454,11 @@ def test_a_failed_reservation_leaves_no_sparse_slot_and_a_later_one_with_room_wo
 WRITE_SNAPSHOT = """
 import sys, torch
 from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel import native
+from moc.checkpoint.twolevel.capture import HostCopy, capture, seal, write_snapshot
 from moc.checkpoint.twolevel.slots import SnapshotStore
 try:
-    SnapshotStore("job", 0).write(0, 1, {"w": torch.ones(int(sys.argv[1]))}, {})
+    write_snapshot(SnapshotStore("job", 0), 0, 1, {"w": torch.ones(int(sys.argv[1]))}, {})
 except CheckpointError as e:
     print("refused:", e)
 else:
@@ -487,7 +503,7 @@ def test_a_full_shared_memory_at_the_claim_is_one_clear_line_and_leaves_nothing(
     with tmpfs(tmp_path / "shm", "1m") as root:
         monkeypatch.setenv("MOC_SHM_ROOT", str(root))
         claim_job("restarted")  # a job that restarts later, with a snapshot to keep
-        SnapshotStore("restarted", 0).write(0, 5, {"w": torch.ones(3)}, {})
+        write_snapshot(SnapshotStore("restarted", 0), 0, 5, {"w": torch.ones(3)}, {})
         fill(root)
         with pytest.raises(CheckpointError) as e:
             claim_job("new")
