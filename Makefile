@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast test-slow lint bench clean
+.PHONY: setup demo test test-fast test-slow test-compat lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -27,8 +27,14 @@ test-fast: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# moc on the oldest torch it supports (pyproject.toml's torch>=X), in .compat/venv: a
+# `moc train` with a SIGKILL and restart, and the smoke tests (scripts/test_compat.sh).
+# Not part of `make test`: the first run downloads about 3.7 GB of CUDA wheels.
+test-compat:
+	bash scripts/test_compat.sh
+
 lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) .compat build *.egg-info runs

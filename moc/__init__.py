@@ -6,6 +6,11 @@ Every engine keeps one contract (`moc.CheckpointEngine`, moc/checkpoint/api.py).
 README.md for the training-loop integration and docs/FORMAT.md for the files.
 """
 
+# First: a torch older than moc supports is refused in one line (moc.compat), before any
+# of moc's imports can fail on it with torch's own error.
+import moc.compat  # noqa: F401
+
+# isort: split
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
 from moc.checkpoint.errors import (
     CheckpointError,

@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
+from moc.compat import has_dcp_async_staging
 from moc.progress import progress
+from moc.train.agent import TORCHRUN_SHUTDOWN_S, torchrun_accepts
 from moc.train.cli_args import add_train_args, config_from_args, worker_argv
 from moc.train.config import TrainConfig
 
@@ -73,6 +75,12 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
                              f"{cfg.model.n_experts} experts per MoE layer of --config "
                              f"{cfg.preset}; use at most {cfg.model.n_experts}, 'all' or "
                              "'auto'")
+    if cfg.ckpt_mode == "dcp-async" and not has_dcp_async_staging():
+        import torch
+
+        raise ValueError(f"--ckpt-mode dcp-async needs DCP's DefaultStager, which torch "
+                         f"{torch.__version__} lacks (torch 2.9 added it); use --ckpt-mode "
+                         "dcp-sync, or upgrade torch to 2.9+")
     if cfg.ckpt_dir is not None:
         from moc.baselines.dcp import DCP_MODES, complete_dcp_steps
         from moc.checkpoint.store.storage import open_storage
@@ -134,23 +142,30 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Each rank gets its share of the cores; also silences torchrun's warning.
     ranks = args.nodes * args.nproc
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    shutdown_s = torchrun_shutdown_s(cfg.grace_s)
     if args.nodes > 1:
         from moc.train.nodes import run_nodes
 
         return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
                          module=worker_module(cfg),
                          gpus=args.nproc if cfg.device == "cuda" else 0,
-                         shutdown_s=shutdown_timeout(cfg.grace_s))
-    torchrun_argv = ["--standalone", "--nproc-per-node", str(args.nproc),
-                     "--max-restarts", str(args.max_restarts),
-                     # On SIGTERM/SIGINT torchrun forwards the signal to the workers and
-                     # kills them after this long: first they stop at a step boundary and
-                     # take a final checkpoint, within --grace-s (moc.Preemption).
-                     "--shutdown-timeout", str(shutdown_timeout(cfg.grace_s)),
-                     "--module", worker_module(cfg), *worker_argv(args, parser)]
+                         shutdown_s=shutdown_s)
     # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they
     # stopped; the agent only reports the signal in its status (moc.train.agent).
-    return run_agent(torchrun_argv)
+    return run_agent(single_node_argv(args.nproc, args.max_restarts, shutdown_s,
+                                      worker_module(cfg), worker_argv(args, parser)))
+
+
+def single_node_argv(nproc: int, max_restarts: int, shutdown_s: int | None, module: str,
+                     worker: list[str]) -> list[str]:
+    """torchrun's command line for `nproc` workers on this host. `shutdown_s`: its
+    `--shutdown-timeout` (None: this torchrun has none, see `torchrun_shutdown_s`)."""
+    # On SIGTERM/SIGINT torchrun forwards the signal to the workers and kills them after
+    # the shutdown timeout: first they stop at a step boundary and take a final
+    # checkpoint, within --grace-s (moc.Preemption).
+    shutdown = [] if shutdown_s is None else ["--shutdown-timeout", str(shutdown_s)]
+    return ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
+            str(max_restarts), *shutdown, "--module", module, *worker]
 
 
 def worker_module(cfg: TrainConfig) -> str:
@@ -167,6 +182,27 @@ worker whose grace period ran out exits at once (os._exit), this only covers tha
 def shutdown_timeout(grace_s: float) -> int:
     """torchrun's `--shutdown-timeout` (whole seconds) for workers given `grace_s`."""
     return int(grace_s + 0.999) + SHUTDOWN_MARGIN_S
+
+
+def torchrun_shutdown_s(grace_s: float) -> int | None:
+    """torchrun's `--shutdown-timeout` for workers given `grace_s`, or None where this
+    torchrun has no such option (torch before 2.12). It then kills its workers
+    TORCHRUN_SHUTDOWN_S after forwarding a signal, whatever --grace-s says: one line on
+    stderr tells when that cuts the grace period short."""
+    wanted = shutdown_timeout(grace_s)
+    if torchrun_accepts("--shutdown-timeout"):
+        return wanted
+    if wanted > TORCHRUN_SHUTDOWN_S:
+        import torch
+
+        print(f"moc train: warning: torchrun of torch {torch.__version__} has no "
+              f"--shutdown-timeout (torch 2.12 added it): on SIGTERM or Ctrl-C it kills "
+              f"the workers {TORCHRUN_SHUTDOWN_S} s after forwarding the signal, before "
+              f"--grace-s {grace_s:g} plus {SHUTDOWN_MARGIN_S} s to exit is up, so a final "
+              f"checkpoint still being written then is lost (the run resumes from the one "
+              f"before); upgrade torch to 2.12+, or use --grace-s "
+              f"{TORCHRUN_SHUTDOWN_S - SHUTDOWN_MARGIN_S} or less", file=sys.stderr)
+    return None
 
 
 def demo() -> int:

@@ -7,13 +7,40 @@ say, in one line from rank 0, where they stopped and what is on storage
 (`moc.Preemption`); the agent only ends with the signal's status. A failed worker is one
 line too. `moc train` runs its agent in-process (one node) or as this module (each
 simulated node of `--nodes`).
+
+torchrun's options differ between torch releases (`--shutdown-timeout` is new in 2.12):
+`torchrun_accepts` asks this torch's own parser, so that `moc train` passes an option
+only where torchrun takes it.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import logging
 import signal
 import sys
+
+TORCHRUN_SHUTDOWN_S = 30
+"""How long torchrun without `--shutdown-timeout` (torch before 2.12) gives its workers,
+once it forwarded a signal to them, before it kills them: the fixed default of torch's
+`PContext.close`, and 2.12's default for the option."""
+
+
+@functools.cache
+def torchrun_accepts(option: str) -> bool:
+    """Whether this torch's torchrun takes `option` (as "--shutdown-timeout")."""
+    from torch.distributed.run import get_args_parser
+
+    return parser_accepts(get_args_parser(), option)
+
+
+def parser_accepts(parser: argparse.ArgumentParser, option: str) -> bool:
+    """Whether `parser` (torchrun's) takes `option` with one value. Asked by parsing, not
+    by torch's version: a backport or a build of another branch answers for itself."""
+    # An option it does not know comes back unparsed; the script is torchrun's positional.
+    _, unknown = parser.parse_known_args([option, "1", "train.py"])
+    return option not in unknown
 
 
 def run_agent(argv: list[str]) -> int:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moc.checkpoint.twolevel.jobdir import record_owner
+from moc.train.agent import TORCHRUN_SHUTDOWN_S
 
 GRACE_S = 30.0
 """After one agent fails, how long the others get to notice (their workers lose a peer
@@ -99,17 +100,18 @@ def die_with_parent() -> Callable[[], None] | None:
 
 
 def agent_argv(nodes: int, nproc: int, max_restarts: int, endpoint: str, run_id: str,
-               worker: list[str], shutdown_s: int = 30, module: str = "moc.train"
+               worker: list[str], shutdown_s: int | None = None, module: str = "moc.train"
                ) -> list[str]:
     """The torchrun command line of one simulated node (the same for every node: c10d
     gives each its node rank), run by `moc.train.agent` (torchrun, ending in one line).
     `shutdown_s`: how long it gives its workers, once it forwarded a signal to them,
-    before it kills them."""
+    before it kills them (`--shutdown-timeout`); None: torchrun's own
+    TORCHRUN_SHUTDOWN_S, and no option (torch before 2.12 has none)."""
+    shutdown = [] if shutdown_s is None else ["--shutdown-timeout", str(shutdown_s)]
     return [sys.executable, "-m", "moc.train.agent", "--nnodes", str(nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--max-restarts", str(max_restarts), "--shutdown-timeout", str(shutdown_s),
-            "--module", module, *worker]
+            "--max-restarts", str(max_restarts), *shutdown, "--module", module, *worker]
 
 
 def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
@@ -126,7 +128,8 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
-              gpus: int = 0, shutdown_s: int = 30, module: str = "moc.train") -> int:
+              gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train"
+              ) -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -134,8 +137,9 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
 
     A SIGTERM or SIGINT of the launcher (a scheduler, Ctrl-C) is forwarded once to every
     agent, which forwards it to its workers: they stop at a step boundary with a final
-    checkpoint (`moc.Preemption`), and get `shutdown_s` for it before the agents kill
-    them, and the launcher then kills what is left; it exits with 128 + the signal's
+    checkpoint (`moc.Preemption`), and get `shutdown_s` for it (None: torchrun's own
+    TORCHRUN_SHUTDOWN_S) before the agents kill them, and the launcher then kills what
+    is left; it exits with 128 + the signal's
     number. A second signal kills everything at once. The agents run in sessions of
     their own, so a terminal's Ctrl-C reaches them through the launcher alone (twice
     would read as "again: at once"), and die with the launcher however it dies
@@ -160,7 +164,8 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
                            module),
                 env=node_env(root, node, nproc, gpus), preexec_fn=die_with_parent(),
                 start_new_session=True))
-        codes = _wait(agents, signals, shutdown_s + TERMINATE_S)
+        codes = _wait(agents, signals, (TORCHRUN_SHUTDOWN_S if shutdown_s is None
+                                        else shutdown_s) + TERMINATE_S)
     finally:
         _terminate(agents)  # a no-op once all have exited
         shutil.rmtree(root, ignore_errors=True)

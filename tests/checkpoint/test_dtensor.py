@@ -258,12 +258,20 @@ class _SequenceParallelRouter(nn.Module):
         return tokens @ self.weight.t()
 
 
+def _top1_of_each_ranks_tokens(module: nn.Module, inputs: tuple, output: DTensor) -> DTensor:
+    """`indices` for the sequence-parallel router: each rank's tokens' experts, still a
+    DTensor of the logits' layout (an argmax of the DTensor itself needs torch 2.10)."""
+    ids = output.to_local().argmax(-1, keepdim=True)
+    return DTensor.from_local(ids, output.device_mesh, output.placements, run_check=False)
+
+
 def _dtensor_router(rank: int, world: int):
     from moc.checkpoint.routing import RoutingRecorder
     model = tm.build(tm.mesh_of((world,)))
     router = _SequenceParallelRouter(model.layers[0].experts.w1.device_mesh)
     spec = moc.ExpertSpec.infer(model)
-    recorder = RoutingRecorder(model, spec, routers={0: router}, indices=tm.top1)
+    recorder = RoutingRecorder(model, spec, routers={0: router},
+                               indices=_top1_of_each_ranks_tokens)
     x = torch.randn(10 + rank, tm.D, generator=torch.Generator().manual_seed(rank))
     logits = router(x)
     assert isinstance(logits, DTensor)
