@@ -4,8 +4,9 @@ checkpoint contract (`moc.checkpoint.api.CheckpointEngine`) every engine keeps.
     dcp-sync   `dcp.save` of the whole training state; training waits for all of it
     dcp-async  `dcp.async_save` with the process executor (a checkpoint process per rank,
                with its own gloo process group) and `DefaultStager`: staging into shared
-               memory on a background thread (pinned memory and non-blocking copies
-               where CUDA is available); at most one save in flight
+               memory on a background thread (pinned memory and non-blocking copies on
+               a CUDA stream of its own where CUDA is available); at most one save in
+               flight, and one result (a checkpoint or a failed one) per save
 
 What is saved is `RankState.flatten()` of every rank: parameters under stable
 global keys (an expert's key is unique to it; a dense key is the same on every rank and
@@ -33,6 +34,10 @@ buffers from one save to the next, so a save first waits for the previous upload
 wait is stall, counted in `save_s`). Errors of either future land in the record's
 `error`, which the trainer reports as a failed checkpoint; training goes on from the
 previous complete step.
+
+DCP's async API (`DefaultStager`, `StagingOptions`, `AsyncSaveResponse`: torch >= 2.9)
+is imported where it is used, and the trainer imports this module only for a DCP mode:
+a moc run never loads it.
 
 The checkpoint process is DCP's, one per trainer process: spawned by the first
 `async_save` (here a tiny one at construction, so that it is up before training starts,
@@ -65,18 +70,13 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import (
-    AsyncCheckpointerType,
-    AsyncSaveResponse,
-)
 
 from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport, checked_save
 from moc.checkpoint.dist import RankError
@@ -91,7 +91,12 @@ from moc.checkpoint.spec import ExpertSpec, dense_key, expert_key, param_key_of,
 from moc.checkpoint.state import RankState, flatten_params, shared_state
 from moc.checkpoint.store.manifest import check_model
 from moc.checkpoint.store.steps import fsync_dir
+from moc.compat import has_dcp_async_staging
 from moc.topology import ParallelGroups
+
+if TYPE_CHECKING:  # torch >= 2.9: imported where used (module docstring)
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 DCP_MODES = ("dcp-sync", "dcp-async")
 EXECUTORS = ("process", "thread")
@@ -154,13 +159,49 @@ def check_dcp_step(root: str | Path, step: int, model_meta: dict[str, Any]) -> d
 
 
 def staging_options() -> StagingOptions:
-    """DCP's best staging settings on this machine. Pinned memory and non-blocking copies
-    need CUDA (DefaultStager refuses non-blocking copies without an accelerator); shared
-    memory lets the checkpoint process read the staged tensors without a copy; async
-    staging overlaps the copy with the next forward and backward pass."""
+    """DCP's best staging settings on this machine. What each does (torch 2.13,
+    `torch/distributed/checkpoint/staging.py` and `_state_dict_stager.py`):
+
+    use_async_staging      the copy runs on a one-thread pool, behind the caller; where an
+                           accelerator is available DefaultStager also makes a stream of
+                           its own (at construction, on the caller's thread) and issues
+                           the copies on it: the CUDA-stream overlap DCP offers
+    use_non_blocking_copy  device-to-host copies are queued non-blocking on that stream,
+                           which is synchronized once at the end; needs an accelerator
+                           (DefaultStager raises without one)
+    use_pinned_memory      each staged host storage is page-locked (cudaHostRegister), so
+                           those copies are DMA at the pinned bandwidth; needs CUDA
+                           (ignored, with a warning, without it)
+    use_shared_memory      staged storages live in shared memory, so the checkpoint
+                           process receives them by file descriptor, without a copy
+
+    The staged storages are cached and reused from one save to the next: the first save
+    allocates (and pins) them, the later ones only copy."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
     cuda = torch.cuda.is_available()
     return StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                           use_async_staging=True, use_non_blocking_copy=cuda)
+
+
+def new_stager() -> DefaultStager:
+    """A `DefaultStager` with `staging_options()`. Made after the model is on its device:
+    its stream is created on the current device, which must then be the training one."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    return DefaultStager(staging_options())
+
+
+def settle_device_work() -> None:
+    """Blocks until the kernels queued on this thread's CUDA stream (the optimizer step's)
+    are done; nothing on the CPU, or before CUDA is initialized. DefaultStager copies on
+    a stream of its own that does not wait for the training stream: without this, a
+    staged copy could be taken before the step's update lands (a torn checkpoint, not
+    an error). The reference trainer has already waited (it reads the loss with
+    `.item()` after the step), so this costs it nothing; a loop that has not gives up
+    here, once per checkpoint, the lead its CPU had over its GPU."""
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 @dataclass
@@ -194,6 +235,10 @@ class DCPCheckpointer(CheckpointEngine):
         if mode not in DCP_MODES:
             raise ValueError(f"DCPCheckpointer mode must be one of {', '.join(DCP_MODES)}, "
                              f"got {mode!r}")
+        if mode == "dcp-async" and not has_dcp_async_staging():
+            raise ValueError(f"mode='dcp-async' needs DCP's DefaultStager, which torch "
+                             f"{torch.__version__} lacks (torch 2.9 added it); use "
+                             "mode='dcp-sync', or upgrade torch to 2.9+")
         if executor not in EXECUTORS:
             raise ValueError(f"DCPCheckpointer executor must be one of {', '.join(EXECUTORS)}, "
                              f"got {executor!r}")
@@ -208,7 +253,7 @@ class DCPCheckpointer(CheckpointEngine):
         # The process executor joins a process group of the trainer's ranks; a single
         # process without torch.distributed has none, so it stages and writes on a thread.
         self.executor = executor if self.parts.groups.distributed else "thread"
-        self._stager = DefaultStager(staging_options()) if mode == "dcp-async" else None
+        self._stager = new_stager() if mode == "dcp-async" else None
         self._inflight: _InFlight | None = None
         self._done: list[CheckpointResult] = []
         self._error: str | None = None  # rank 0's, finishing a step; raised at the next save
@@ -289,11 +334,19 @@ class DCPCheckpointer(CheckpointEngine):
                                   path))
 
     def _save_async(self, step: int, extra_state: dict[str, Any] | None) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import (
+            AsyncCheckpointerType,
+            AsyncSaveResponse,
+        )
+
         t0 = time.perf_counter()
         p = self.parts
-        self._finish(block=True)  # the staging buffers are reused: one save in flight
+        # The staging buffers are reused: one save in flight. Blocks until the previous
+        # upload is done, so that every save gives exactly one result, none is skipped.
+        self._finish(block=True)
         path, error = self._begin(step)
         if error is None:
+            settle_device_work()
             start = time.perf_counter()
             try:
                 response = dcp.async_save(
@@ -463,6 +516,8 @@ def start_checkpoint_process(parts: EngineParts) -> None:
         parts.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     parts.dist.barrier()
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
     # Blocks until every rank's checkpoint process is up and has written its part.
     dcp.async_save({"warmup": torch.zeros(1)}, checkpoint_id=scratch,
                    process_group=parts.groups.side_group,

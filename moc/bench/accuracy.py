@@ -84,10 +84,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(name: str, common: list[str], steps: int, fault_every: int, workdir: Path
-        ) -> dict[str, Any]:
+def run(name: str, common: list[str], steps: int, fault_every: int, workdir: Path,
+        nproc: int = 2) -> dict[str, Any]:
+    """One run of `name`; its faults kill the last rank (rank 0 itself with one)."""
     faults = [] if name == "no-fault" else [
-        "--fault-every", str(fault_every), "--fault-rank", "1",
+        "--fault-every", str(fault_every), "--fault-rank", str(nproc - 1),
         "--max-restarts", str(steps // fault_every)]
     return summarize(train_run([*common, *RUNS[name], *faults], workdir))
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir = Path(tmp) / name
             workdir.mkdir()
             bar.note(name)
-            runs[name] = run(name, common, steps, fault_every, workdir)
+            runs[name] = run(name, common, steps, fault_every, workdir, args.nproc)
             bar.update()
             bar.write(f"{name}: val loss {runs[name]['val_loss']:.4f}, "
                       f"PLT {100 * runs[name]['plt']:.2f}%")

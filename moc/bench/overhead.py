@@ -1,8 +1,9 @@
 """`moc bench overhead`: what checkpointing costs training, each strategy in turn, one run.
 
 Every strategy trains the same model on the same data with the same seed, W ranks, a
-checkpoint every `interval` steps, and a SIGKILL of rank 1 at the last step so that the
-restart measures recovery (from memory where the strategy keeps snapshots). Strategies:
+checkpoint every `interval` steps, and a SIGKILL of the last rank (W - 1: rank 0 itself
+on one process) at the last step so that the restart measures recovery (from memory
+where the strategy keeps snapshots). Strategies:
 
     none            no checkpoints: the reference step time
     blocking        Megatron-DeepSpeed style: training waits while rank 0 and EP group 0
@@ -16,9 +17,19 @@ with a checkpoint, throughput against `none` (over all steps, and in the steady 
 after the first checkpoints' one-time costs), bytes per checkpoint, per-rank imbalance,
 persist time, restore time from storage and from memory, the fault's downtime (from the
 last step before it to the first after it: detection, restart, restore; `moc simulate`
-takes it for R), and the host memory that checkpointing holds. Under "limits", the same
-run measures the disk's sequential write bandwidth with fsync and the host's memcpy
-bandwidth.
+takes it for R), and the host memory that checkpointing holds.
+
+Each strategy's row starts with its checkpoint count: the steps it checkpointed against
+the steps due (`moc.train.metrics.checkpoint_counts`: every save ends in a `checkpoint`
+or a `checkpoint_failed` event), with the failed ones and the skipped persists. A ratio
+between strategies (vs blocking, throughput against `none`, CPU against `none`) is
+printed only where the counts are equal: a strategy that wrote fewer checkpoints did
+less work, and the notes under the table say so instead.
+
+Under "limits", the same run measures the disk's sequential write bandwidth with fsync,
+the host's memcpy bandwidth and, where torch sees CUDA, the device-to-host copy into
+pinned and into pageable host memory, with each strategy's snapshot copy as a share of
+the pinned figure (the bound of a GPU snapshot); "n/a (no GPU)" otherwise.
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ import torch
 
 from moc.bench.plots import publish, train_run
 from moc.progress import progress
-from moc.train.config import in_checkpoint_block
+from moc.train.cli_args import default_device
+from moc.train.config import TrainConfig, in_checkpoint_block
+from moc.train.metrics import checkpoint_counts
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["--ckpt-mode", "none"],
@@ -145,6 +158,43 @@ def thread_memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
     return _copy_rate(lambda: np.copyto(dst, src), nbytes)
 
 
+D2H_PROBE_BYTES = 1 << 30
+"""The device-to-host probe's size: 1 GiB, far above the size where a copy's fixed
+cost (tens of microseconds) shows, and small beside any GPU's memory."""
+
+
+def d2h_bandwidth(pinned: bool, nbytes: int = D2H_PROBE_BYTES, repeats: int = 3
+                  ) -> float | None:
+    """Copy of `nbytes` from the current CUDA device into a pinned (page-locked) or a
+    pageable host buffer, bytes per second: the best of `repeats` copies after one to
+    warm up, each timed with CUDA events around it on the current stream. None without
+    CUDA; nothing touches CUDA then. A snapshot's copy off the GPU cannot beat the
+    pinned figure; the pageable one is what a copy into ordinary memory gets."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    best = 0.0
+    for i in range(repeats + 1):
+        start.record()
+        dst.copy_(src, non_blocking=pinned)
+        end.record()
+        end.synchronize()  # blocks until the copy is done
+        if i:  # the first copy warms up (page faults of a pageable buffer, DMA mappings)
+            best = max(best, nbytes / (start.elapsed_time(end) / 1e3))
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
+def gpu_limits() -> dict[str, float | None]:
+    """The device-to-host bandwidths, pinned and pageable (None each without CUDA)."""
+    return {"d2h_pinned_Bps": d2h_bandwidth(pinned=True),
+            "d2h_pageable_Bps": d2h_bandwidth(pinned=False)}
+
+
 def _copy_rate(copy: Callable[[], object], nbytes: int) -> float:
     """Bytes per second of `copy` (of `nbytes`): once to warm, then three timed."""
     copy()
@@ -174,15 +224,22 @@ def paired_steps(step_times: dict[int, float], blocks: int, after: int
     return on, off
 
 
+def fault_rank(world: int) -> int:
+    """The rank the fault kills: the job's last, so not rank 0 (the metrics writer)
+    unless it is alone; then rank 0 closes its metrics file before the SIGKILL and its
+    restart logs the recovery, as another rank's would."""
+    return world - 1
+
+
 def run_strategy(name: str, common: list[str], steps: int, interval: int, workdir: Path,
-                 nodes: int = 1, paired: int = 0) -> dict[str, Any]:
+                 nodes: int = 1, paired: int = 0, nproc: int = 2) -> dict[str, Any]:
     """One run of `name` and its figures. With `paired` = B > 0 the run checkpoints in
     every other block of B steps (`--ckpt-blocks B`); its throughput is then also taken
     inside the run, blocks without checkpoints over blocks with them, and its
     step-time means (and `none`'s) are over the checkpointing blocks' steps alone."""
     blocks = ["--ckpt-blocks", str(paired)] if paired and name != "none" else []
-    fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank", "1",
-                                       "--max-restarts", "1"]
+    fault = [] if name == "none" else ["--fault-at", str(steps), "--fault-rank",
+                                       str(fault_rank(nodes * nproc)), "--max-restarts", "1"]
     if name in PEERS:  # the last node is lost: its ranks come back from their peers
         fault = ["--fault-at", str(steps), "--fault-kind", "node", "--fault-node",
                  str(nodes - 1), "--max-restarts", "1"]
@@ -194,6 +251,10 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         first_attempt.append(e)
     step_times = {e["step"]: e["step_time_s"] for e in first_attempt if e["event"] == "step"}
     ckpts = [e for e in events if e["event"] == "checkpoint"]
+    counts = checkpoint_counts(events)
+    due_count = (None if name == "none" else
+           len(TrainConfig(steps=steps, ckpt_interval=interval, ckpt_blocks=paired)
+               .checkpoint_steps()))
     recoveries = [e for e in events if e["event"] == "recovery"]
     summary = [e for e in events if e["event"] == "summary"][-1]
     partial = name == "moc"
@@ -202,10 +263,13 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
     if name.startswith("moc"):
         # The job finished and removed its snapshots: a new start reads storage, from
         # the disk rather than the page cache. Its restore time counts; its "downtime"
-        # does not (no fault: it spans this function's own work between the runs).
+        # does not (no fault: it spans this function's own work between the runs). It
+        # trains one step more: the trainer logs a recovery once the first step after
+        # it is done, and a run already at its last step has none.
         drop_page_cache(workdir / "ckpt")
         before = len(recoveries)
-        more = [e for e in train_run([*common, *STRATEGIES[name], *blocks], workdir)
+        more = [e for e in train_run([*common, *STRATEGIES[name], *blocks,
+                                      "--steps", str(steps + 1)], workdir)
                 if e["event"] == "recovery"][before:]
         if more:
             figures["restore_storage_s"] = more[0]["recovery_s"]
@@ -254,7 +318,7 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
                       if later else None),
         "persist_s": statistics.median(persist) if persist else None,
         "persist_Bps": statistics.median(rates) if rates else None,
-        "persist_skipped": sum(1 for e in ckpts if e.get("persist_skipped")),
+        "persist_skipped": counts.persist_skipped,
         **figures,
         # This rank's (rank 0's) peer replica per checkpoint: bytes sent to the next
         # node's memory, and the time its round took on the snapshot thread.
@@ -275,7 +339,12 @@ def run_strategy(name: str, common: list[str], steps: int, interval: int, workdi
         "peak_host_mem_bytes": summary.get("ckpt_host_bytes"),
         "snapshot_bytes": summary.get("snapshot_bytes"),
         "peak_rss_bytes": summary.get("peak_rss_bytes"),
-        "checkpoints": len(ckpts),
+        # Checkpointed steps (each once, whatever the restarts), those that failed and
+        # those due: ratios between strategies need equal counts (`markdown`).
+        "checkpoints": counts.written,
+        "checkpoints_failed": counts.failed,
+        "checkpoints_due": due_count,
+        "checkpoint_error": counts.first_error,
         **paired_figures,
     }
 
@@ -318,15 +387,74 @@ def copy_cpu_bandwidth(event: dict[str, Any]) -> float | None:
     return event["copy_Bps"] * wall / cpu
 
 
+WORST_OF_ROUNDS: dict[str, Callable[[list[Any]], Any]] = {
+    "checkpoints": min, "checkpoints_failed": max, "persist_skipped": max}
+"""Counts taken over rounds as their worst, not their median: a ratio is printed only
+when every round of both strategies took the same checkpoints."""
+
+
 def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for key in runs[0]:
-        values = [r[key] for r in runs if r[key] is not None]
+        values = [r[key] for r in runs if r.get(key) is not None]
         if values and isinstance(values[0], str):
             out[key] = values[0]
+        elif key in WORST_OF_ROUNDS:
+            out[key] = WORST_OF_ROUNDS[key](values) if values else None
         else:
             out[key] = statistics.median(values) if values else None
     return out
+
+
+def same_checkpoints(r: dict[str, Any], other: dict[str, Any] | None) -> bool:
+    """Whether a ratio of `r`'s figures to `other`'s compares like with like: both
+    wrote the same number of checkpoints. Against `none` (which takes none: its
+    `checkpoints_due` is None), `r` must have written every checkpoint due. Results
+    written before the counts were recorded (no `checkpoints`) compare as before."""
+    if other is None or "checkpoints" not in r or "checkpoints" not in other:
+        return True
+    if r.get("checkpoints_due") is None:  # r is `none`: the reference itself
+        return True
+    if other.get("checkpoints_due") is None:  # against `none`
+        return r["checkpoints"] == r["checkpoints_due"]
+    return r["checkpoints"] == other["checkpoints"]
+
+
+def count_text(r: dict[str, Any]) -> str:
+    """A row's checkpoint count: "8/8", "1/8, 7 failed", "8/8, 2 persist skipped"."""
+    if r.get("checkpoints_due") is None:
+        return "-"
+    text = f"{r['checkpoints']}/{r['checkpoints_due']}"
+    if r.get("checkpoints_failed"):
+        text += f", {r['checkpoints_failed']} failed"
+    if r.get("persist_skipped"):
+        text += f", {r['persist_skipped']} persist skipped"
+    return text
+
+
+def count_notes(s: dict[str, dict[str, Any]]) -> list[str]:
+    """Why a row has no ratio, and what its count hides (failures, skipped persists)."""
+    notes = []
+    blocking = s.get("blocking")
+    for name, r in s.items():
+        if r.get("checkpoints_due") is None:
+            continue
+        why = []
+        if r["checkpoints"] != r["checkpoints_due"]:
+            why.append(f"it wrote {r['checkpoints']} of the {r['checkpoints_due']} "
+                       "checkpoints due, so no throughput against none")
+        if blocking is not None and not same_checkpoints(r, blocking):
+            why.append(f"blocking wrote {blocking['checkpoints']}, so no stall ratio")
+        if r.get("checkpoints_failed"):
+            why.append(f"{r['checkpoints_failed']} failed, the first with: "
+                       f"{r.get('checkpoint_error')}")
+        if r.get("persist_skipped"):
+            why.append(f"{r['persist_skipped']} of its {r['checkpoints']} checkpoints "
+                       "skipped the persist (the previous persist still ran): those are "
+                       "in memory only")
+        if why:
+            notes.append(f"- {name}: " + "; ".join(why))
+    return notes
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -346,24 +474,27 @@ def markdown(result: dict[str, Any]) -> str:
     extra += " downtime |" if downtime else ""
     # With --paired: each strategy's throughput inside its own run.
     paired = any("paired_on_s" in r for r in s.values())
-    lines = ["| strategy | stall median | stall p90 | vs blocking | step | step w/ ckpt "
+    lines = ["| strategy | checkpoints | stall median | stall p90 | vs blocking | step "
+             "| step w/ ckpt "
              "| throughput | steady |" + (" paired |" if paired else "")
              + " bytes/ckpt | imbalance | persist | persist/disk "
              "| restore storage | restore memory | ckpt host memory |" + extra,
-             "| --- | " + " | ".join(["---:"] * (14 + 3 * peers + paired + downtime))
+             "| --- | " + " | ".join(["---:"] * (15 + 3 * peers + paired + downtime))
              + " |"]
     for name, r in s.items():
         ratio = (r["stall_median_s"] / base if base and r["stall_median_s"] is not None
-                 else None)
-        thr = ref / r["mean_step_time_s"] if ref else None
+                 and same_checkpoints(r, s.get("blocking")) else None)
+        vs_none = same_checkpoints(r, s.get("none"))
+        thr = ref / r["mean_step_time_s"] if ref and vs_none else None
         steady = r.get("mean_step_time_steady_s")
-        thr_steady = ref_steady / steady if ref_steady and steady else None
+        thr_steady = ref_steady / steady if ref_steady and steady and vs_none else None
         mem = r["peak_host_mem_bytes"]
         mem_text = "-" if mem is None else (
             f"{mem / 1e6:.0f} MB = {mem / r['snapshot_bytes']:.2f} snapshots"
             if r.get("snapshot_bytes") else f"{mem / 1e6:.0f} MB")
         lines.append(
-            f"| {name} | {fmt(r['stall_median_s'])} | {fmt(r['stall_p90_s'])} "
+            f"| {name} | {count_text(r)} | {fmt(r['stall_median_s'])} "
+            f"| {fmt(r['stall_p90_s'])} "
             f"| {fmt(ratio, '', 4) if ratio is not None else '-'} "
             f"| {fmt(r['step_time_s'])} | {fmt(r['step_time_ckpt_s'])} "
             f"| {fmt(thr, '', 3) if thr else '-'} "
@@ -377,7 +508,9 @@ def markdown(result: dict[str, Any]) -> str:
                f"| {fmt(r.get('replica_s'))} | {fmt(r.get('restore_peer_s'))} |"
                if peers else "")
             + (f" {downtime_text(r)} |" if downtime else ""))
-    return "\n".join(lines) + "\n\n" + cost_table(result)
+    notes = count_notes(s)
+    return ("\n".join(lines + (["", *notes] if notes else [])) + "\n\n"
+            + cost_table(result))
 
 
 def downtime_text(figures: dict[str, Any]) -> str:
@@ -410,8 +543,8 @@ def cost_table(result: dict[str, Any]) -> str:
     for name, r in s.items():
         copy, cpu = r.get("copy_Bps"), r.get("cpu_per_step_s")
         copy_cpu = r.get("copy_cpu_Bps")
-        extra = (f"+{cpu - none_cpu:.4f} s" if cpu is not None and none_cpu is not None
-                 and name != "none" else "-")
+        extra = (f"{cpu - none_cpu:+.4f} s" if cpu is not None and none_cpu is not None
+                 and name != "none" and same_checkpoints(r, s.get("none")) else "-")
         lines.append(
             f"| {name} | {'-' if r.get('k_snapshot') is None else int(r['k_snapshot'])} "
             f"| {'-' if copy is None else f'{copy / 1e9:.2f} GB/s'} "
@@ -434,11 +567,17 @@ def _mb(nbytes: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moc bench overhead", description=__doc__)
-    p.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks per node (default 2); the fault kills the job's last "
+                        "rank, rank 0 itself on one process (--nproc 1)")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="where the runs train (moc train --device); default cuda when "
+                        "torch sees a GPU for every rank, else cpu")
     p.add_argument("--nodes", type=int, default=1,
                    help="simulated nodes (moc train --nodes); with more than one, the "
                         "moc-peers strategy (peer replicas) runs beside moc (none)")
-    p.add_argument("--config", default="bench", help="model preset (default bench)")
+    p.add_argument("--config", default="bench",
+                   help="model preset (default bench; gpu-400m and gpu-800m for a GPU)")
     p.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
     p.add_argument("--interval", type=int, default=5, help="steps between checkpoints")
     p.add_argument("--quick", action="store_true", help="20 steps: under 5 minutes on 2 cores")
@@ -462,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.nodes < 1:
         p.error(f"--nodes must be >= 1, got {args.nodes}")
+    if args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
     if args.paired < 0 or args.paired == 1:
         p.error(f"--paired must be 0 (off) or a block of >= 2 steps, got {args.paired}")
     if args.paired and args.interval >= args.paired:
@@ -474,8 +615,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes == 1 and set(args.strategies) & set(PEERS):
         p.error("moc-peers needs more than one node: add --nodes 2")
     steps = 20 if args.quick else args.steps
+    # moc train's own default, resolved here so that the result says where it trained.
+    device = args.device or default_device(args.nodes * args.nproc)
     common = ["--nodes", str(args.nodes), "--nproc", str(args.nproc), "--config",
-              args.config, "--steps", str(steps), "--ckpt-interval", str(args.interval)]
+              args.config, "--steps", str(steps), "--ckpt-interval", str(args.interval),
+              "--device", device]
     t0 = time.perf_counter()
     n_runs = args.repeat * len(args.strategies)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
@@ -493,17 +637,20 @@ def main(argv: list[str] | None = None) -> int:
                 workdir.mkdir()
                 bar.note(name if args.repeat == 1 else f"{name}, round {i + 1}")
                 rounds[name].append(run_strategy(name, common, steps, args.interval, workdir,
-                                                 args.nodes, args.paired))
+                                                 args.nodes, args.paired, args.nproc))
                 # Its figures are taken: a blocking run checkpointing every step leaves
                 # 12 GB of steps behind, and the rounds would fill the disk.
                 shutil.rmtree(workdir)
                 bar.update()
         strategies = {name: _median_of(runs) for name, runs in rounds.items()}
+    # After the runs, so that this process holds no CUDA context or pinned buffer while
+    # they train.
+    limits.update(gpu_limits())
     for r in strategies.values():
         r["persist_fraction_of_disk"] = (r["persist_Bps"] / limits["disk_write_Bps"]
                                          if r["persist_Bps"] else None)
     result = {"config": {"preset": args.config, "nodes": args.nodes, "nproc": args.nproc,
-                         "steps": steps,
+                         "device": device, "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
                          "paired": args.paired,
                          "wall_s": time.perf_counter() - t0},
@@ -520,9 +667,33 @@ def main(argv: list[str] | None = None) -> int:
              ("disk read (uncached)", f"{limits['disk_read_Bps'] / 1e6:.0f} MB/s"),
              ("memcpy", f"{limits['thread_memcpy_Bps'] / 1e9:.1f} GB/s one thread, "
                         f"{limits['memcpy_Bps'] / 1e9:.1f} GB/s all"),
+             *gpu_rows(limits, strategies, device),
              ("wall", f"{result['config']['wall_s']:.0f} s")],
             markdown(result), result, args.json, args.png, lambda path: plot(result, path))
     return 0
+
+
+NO_GPU = "n/a (no GPU)"
+
+
+def gpu_rows(limits: dict[str, Any], strategies: dict[str, dict[str, Any]], device: str
+             ) -> list[tuple[str, str]]:
+    """The limits' GPU lines: the device-to-host bandwidths, and each snapshotting
+    strategy's copy (its checkpoint events' `copy_Bps`) as a share of the pinned one.
+    "n/a (no GPU)" where torch saw no CUDA; no share where the runs trained on the CPU
+    (their copy was host to host)."""
+    pinned, pageable = limits.get("d2h_pinned_Bps"), limits.get("d2h_pageable_Bps")
+    if not pinned:
+        return [("D2H copy", NO_GPU), ("snapshot copy / pinned D2H", NO_GPU)]
+    rows = [("D2H copy", f"{pinned / 1e9:.1f} GB/s pinned, "
+                         f"{pageable / 1e9:.1f} GB/s pageable" if pageable else
+             f"{pinned / 1e9:.1f} GB/s pinned")]
+    if device != "cuda":
+        return [*rows, ("snapshot copy / pinned D2H", "n/a (the runs trained on the CPU)")]
+    shares = [f"{name} {r['copy_Bps'] / pinned:.2f} ({r['copy_Bps'] / 1e9:.1f} GB/s)"
+              for name, r in strategies.items() if r.get("copy_Bps")]
+    return [*rows, ("snapshot copy / pinned D2H",
+                    ", ".join(shares) or "- (no strategy reported a snapshot copy)")]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -536,7 +707,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     names = [n for n in s if n != "none"]
     stalls = [s[n]["stall_median_s"] or 0.0 for n in names]
     thr = [ref / s[n]["mean_step_time_steady_s"]
-           if ref and s[n].get("mean_step_time_steady_s") else 0.0 for n in names]
+           if ref and s[n].get("mean_step_time_steady_s")
+           and same_checkpoints(s[n], s.get("none")) else 0.0 for n in names]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.bar(names, stalls, color="tab:red")
     a.set_yscale("log")
@@ -549,7 +721,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     b.set_ylim(0, max(1.1, *thr) + 0.05)  # noise can put a strategy above 1
     b.set_ylabel("throughput vs no checkpoints (steady state)")
     for i, v in enumerate(thr):
-        b.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
+        b.annotate(f"{v:.2f}" if v else "no ratio", (i, v), ha="center", va="bottom",
+                   fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"moc bench overhead: {cfg['preset']}, {cfg['nproc']} ranks, a checkpoint "
                  f"every {cfg['interval']} steps")

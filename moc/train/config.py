@@ -5,6 +5,10 @@ Presets (`--config`):
     small  a model big enough for accuracy studies on CPU
     bench  expert state dominates (as in the paper: most bytes are expert optimizer
            state) and a full checkpoint is a few hundred MB, for checkpoint benchmarks
+    gpu-400m, gpu-800m
+           the two models measured on one H200 (387M and 773M parameters, 16 experts);
+           a full checkpoint is 4.6 and 9.3 GB: sized for a GPU, far too large for the
+           CPU machines of the test suite
 """
 
 from __future__ import annotations
@@ -34,9 +38,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                              n_experts=16, top_k=2),
         "batch_size": 4, "steps": 100, "lr": 1e-3, "warmup_steps": 10, "ckpt_interval": 10,
     },
+    "gpu-400m": {
+        # 16 experts x 4 MoE layers x (2 x 1024 x 2816) = 369.1M expert parameters against
+        # 17.9M dense ones (387.0M in all): a full checkpoint (weights + AdamW moments, 12
+        # bytes a parameter) is 4.64 GB, 95% of it expert state. One H200 trains a step of
+        # 32 x 512 tokens in tens of milliseconds, so a snapshot's device-to-host copy is
+        # what bounds checkpointing there. lr below `bench`'s: ten times the parameters.
+        "model": ModelConfig(seq_len=512, d_model=1024, n_layers=4, n_heads=16, d_ffn=2816,
+                             n_experts=16, top_k=2),
+        "batch_size": 32, "steps": 100, "lr": 3e-4, "warmup_steps": 10, "ckpt_interval": 10,
+    },
+    "gpu-800m": {
+        # gpu-400m with 8 MoE layers: 738.2M expert + 34.8M dense = 772.9M parameters, a
+        # full checkpoint of 9.28 GB.
+        "model": ModelConfig(seq_len=512, d_model=1024, n_layers=8, n_heads=16, d_ffn=2816,
+                             n_experts=16, top_k=2),
+        "batch_size": 32, "steps": 100, "lr": 3e-4, "warmup_steps": 10, "ckpt_interval": 10,
+    },
 }
 
-CKPT_MODES = ("none", "blocking", "pec", "moc", "dcp-sync", "dcp-async")
+DCP_MODES = ("dcp-sync", "dcp-async")
+"""The PyTorch DCP baselines (`moc.baselines.dcp`, imported only when one is chosen)."""
+CKPT_MODES = ("none", "blocking", "pec", "moc", *DCP_MODES)
 FAULT_KINDS = ("process", "node", "persist", "hang")
 RECOVERIES = ("restart", "in-job")
 DEVICES = ("cpu", "cuda")
@@ -218,7 +241,7 @@ class TrainConfig:
             raise ValueError("--fault-kind hang stops a rank (SIGSTOP): only --recovery "
                              "in-job detects a hang; under restart the job would wait for "
                              "the collective timeout")
-        if self.recovery == "in-job" and self.ckpt_mode in ("dcp-sync", "dcp-async"):
+        if self.recovery == "in-job" and self.ckpt_mode in DCP_MODES:
             raise ValueError(f"--recovery in-job needs a moc engine (--ckpt-mode moc, pec, "
                              f"blocking or none), got {self.ckpt_mode}")
         if self.resume_step is not None and self.resume_step < 0:
@@ -226,8 +249,7 @@ class TrainConfig:
         if self.resume_step is not None and self.ckpt_dir is None:
             raise ValueError("--resume-step rolls a checkpoint directory back: give its "
                              "--ckpt-dir")
-        if self.resume_step is not None and self.ckpt_mode in ("none", "dcp-sync",
-                                                               "dcp-async"):
+        if self.resume_step is not None and self.ckpt_mode in ("none", *DCP_MODES):
             raise ValueError(f"--resume-step rolls a moc checkpoint directory back; "
                              f"--ckpt-mode {self.ckpt_mode} cannot")
         if self.device not in DEVICES:
@@ -261,6 +283,12 @@ class TrainConfig:
         """Whether step `step` (1-based) checkpoints: a multiple of the interval, and in a
         checkpointing block when `ckpt_blocks` is set (the last step is the loop's)."""
         return step % self.ckpt_interval == 0 and in_checkpoint_block(step, self.ckpt_blocks)
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps a run from step 0 to `steps` checkpoints (with a checkpointing
+        mode): every `checkpoints_at` step and the last, which the loop always saves."""
+        return [s for s in range(1, self.steps + 1)
+                if self.checkpoints_at(s) or s == self.steps]
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based): linear warmup, cosine decay."""

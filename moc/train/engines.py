@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from moc.baselines.blocking import MegatronPlacement, blocking_checkpointer
-from moc.baselines.dcp import DCP_MODES, DCPCheckpointer
 from moc.checkpoint.api import CheckpointEngine
 from moc.checkpoint.dist import Dist
 from moc.checkpoint.policy.selection import PECPolicy
@@ -22,7 +21,7 @@ from moc.checkpoint.twolevel.nodes import node_memory_root
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
 from moc.topology import node_rank, restart_count
-from moc.train.config import TrainConfig
+from moc.train.config import DCP_MODES, TrainConfig
 from moc.train.metrics import MetricsWriter
 
 
@@ -52,6 +51,10 @@ def make_engine(cfg: TrainConfig, model: nn.Module, optimizer: ShardedAdamW,
                                     replica_jump=cfg.replica_jump,
                                     replica_rate=cfg.replica_rate, **common)
     if cfg.ckpt_mode in DCP_MODES:
+        # Imported here only: DCP's async API (DefaultStager, torch >= 2.9) is the
+        # baseline's alone, and a moc run must start on a torch that lacks it.
+        from moc.baselines.dcp import DCPCheckpointer
+
         return DCPCheckpointer(model, optimizer, cfg.ckpt_dir, mode=cfg.ckpt_mode, **common)
     if cfg.ckpt_mode == "blocking":
         return blocking_checkpointer(model, optimizer, cfg.ckpt_dir, **common)

@@ -49,6 +49,46 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+@dataclass(frozen=True)
+class CheckpointCounts:
+    """What a run's events say of its checkpoints, counted by step: a step checkpointed
+    again after a restart (the fault came before its first save finished) counts once.
+    Every save the trainer finishes ends in exactly one event, `checkpoint` or
+    `checkpoint_failed` (`moc.train.report.report_checkpoint`), logged once the save is
+    done (an asynchronous one: once persisted). A fault can come before that: a step
+    the run then resumed from (its `recovery` event's `resumed_from`) was checkpointed
+    all the same, and counts."""
+
+    written: int
+    """Steps with a `checkpoint` event or resumed from: checkpoints that were taken and
+    did not fail."""
+    failed: int
+    """Steps whose only outcome was `checkpoint_failed`."""
+    persist_skipped: int
+    """`checkpoint` events whose persist was skipped (moc's `--persist-policy skip`: the
+    previous persist still ran); the checkpoint is in memory only."""
+    first_error: str | None
+    """The first failed checkpoint's error (None: none failed)."""
+
+    @property
+    def taken(self) -> int:
+        return self.written + self.failed
+
+
+def checkpoint_counts(events: list[dict[str, Any]]) -> CheckpointCounts:
+    """Count the checkpoints of a run's events (every attempt's)."""
+    written = {e["step"] for e in events if e["event"] == "checkpoint"}
+    written |= {e["resumed_from"] for e in events
+                if e["event"] == "recovery" and e.get("resumed_from")}
+    failed = [e for e in events if e["event"] == "checkpoint_failed"
+              and e["step"] not in written]
+    return CheckpointCounts(
+        written=len(written), failed=len({e["step"] for e in failed}),
+        persist_skipped=sum(1 for e in events
+                            if e["event"] == "checkpoint" and e.get("persist_skipped")),
+        first_error=failed[0]["error"] if failed else None)
+
+
 class StepProgress:
     """Training progress of rank 0: a tqdm bar with the rate and ETA on a terminal
     (`moc.progress`), a line every 10% otherwise (logs, CI, pipes, `--no-progress`).

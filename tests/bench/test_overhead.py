@@ -4,6 +4,7 @@ benchmark itself, not a test)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moc.bench.overhead import (
     copy_cpu_bandwidth,
@@ -39,8 +40,9 @@ def test_table_gives_ratios_against_blocking_and_no_checkpoints():
     lines = markdown(_result()).splitlines()
     moc = next(line for line in lines if line.startswith("| moc |"))
     cells = [c.strip() for c in moc.strip("|").split("|")]
-    assert cells[3] == "0.0100"  # stall vs blocking
-    assert cells[6] == "0.952" and cells[7] == "0.952"  # throughput, all and steady
+    assert cells[1] == "-"  # a result without checkpoint counts (older ones)
+    assert cells[4] == "0.0100"  # stall vs blocking
+    assert cells[7] == "0.952" and cells[8] == "0.952"  # throughput, all and steady
     assert cells[-1] == "300 MB = 3.00 snapshots"
     assert "| 400.0 MB |" in next(line for line in lines if line.startswith("| blocking |"))
 
@@ -149,12 +151,12 @@ def test_paired_throughput_gets_its_own_column_when_measured():
     result["strategies"]["none"].update(paired_on_s=1.0, paired_off_s=1.0, paired_steps=40)
     lines = markdown(result).splitlines()
     assert "| throughput | steady | paired | bytes/ckpt |" in lines[0]
-    assert lines[1].count("---:") == 15
+    assert lines[1].count("---:") == 16
     cells = [c.strip() for c in next(line for line in lines
                                      if line.startswith("| moc |")).strip("|").split("|")]
-    assert cells[6:9] == ["0.952", "0.952", "0.960"]
+    assert cells[7:10] == ["0.952", "0.952", "0.960"]
     none = next(line for line in lines if line.startswith("| none |"))
-    assert [c.strip() for c in none.strip("|").split("|")][8] == "-"
+    assert [c.strip() for c in none.strip("|").split("|")][9] == "-"
     assert "paired" not in markdown(_result()).splitlines()[0]
 
 
@@ -191,8 +193,111 @@ def test_the_table_shows_the_downtime_only_when_measured():
     result["strategies"]["moc"].update(downtime_memory_s=4.9, recovery_kind="in-job")
     lines = markdown(result).splitlines()
     assert lines[0].endswith("| ckpt host memory | downtime |")
-    assert lines[1].count("---:") == 15
+    assert lines[1].count("---:") == 16
     moc = next(line for line in lines if line.startswith("| moc |"))
     assert moc.endswith("| 300 MB = 3.00 snapshots | 4.90 s (memory, in-job) |")
     blocking = next(line for line in lines if line.startswith("| blocking |"))
     assert blocking.endswith("| - |")
+
+
+def _counted(result: dict, due: int = 8, **written: int) -> dict:
+    """`result` with checkpoint counts: `due` per strategy, `written` as given (else
+    all of them); `none` takes none."""
+    for name, r in result["strategies"].items():
+        r.update(checkpoints=0 if name == "none" else written.get(name, due),
+                 checkpoints_due=None if name == "none" else due, checkpoints_failed=0,
+                 persist_skipped=0, checkpoint_error=None)
+    return result
+
+
+def _row(markdown_text: str, name: str, which: int = 0) -> list[str]:
+    rows = [line for line in markdown_text.splitlines() if line.startswith(f"| {name} |")]
+    return [c.strip() for c in rows[which].strip("|").split("|")]
+
+
+def test_each_row_shows_its_checkpoint_count_and_equal_counts_keep_the_ratios():
+    text = markdown(_counted(_result()))
+    assert "| strategy | checkpoints | stall median |" in text.splitlines()[0]
+    moc = _row(text, "moc")
+    assert moc[1] == "8/8" and moc[4] == "0.0100" and moc[7:9] == ["0.952", "0.952"]
+    assert _row(text, "moc", 1)[-1] == "+0.1000 s"  # the cost table's CPU against none
+    assert _row(text, "none")[1] == "-"
+
+
+def test_a_strategy_with_fewer_checkpoints_gets_no_ratio_and_the_table_says_why():
+    result = _counted(_result(), **{"moc": 1})
+    result["strategies"]["moc"].update(checkpoints_failed=7,
+                                       checkpoint_error="staging step 10 failed: boom")
+    text = markdown(result)
+    moc = _row(text, "moc")
+    assert moc[1] == "1/8, 7 failed"
+    assert moc[4] == "-" and moc[7:9] == ["-", "-"]  # vs blocking, throughput, steady
+    assert moc[2] == "0.0050 s"  # its own figures stay
+    assert _row(text, "moc", 1)[-1] == "-"  # no CPU cost against none either
+    assert _row(text, "blocking")[4] == "1.0000" and _row(text, "blocking")[7] == "0.800"
+    assert ("- moc: it wrote 1 of the 8 checkpoints due, so no throughput against none; "
+            "blocking wrote 8, so no stall ratio; 7 failed, the first with: staging step "
+            "10 failed: boom") in text.splitlines()
+
+
+def test_skipped_persists_are_counted_and_noted_without_hiding_the_ratio():
+    result = _counted(_result())
+    result["strategies"]["moc"]["persist_skipped"] = 2
+    text = markdown(result)
+    assert _row(text, "moc")[1] == "8/8, 2 persist skipped"
+    assert _row(text, "moc")[4] == "0.0100"
+    assert any(line.startswith("- moc: 2 of its 8 checkpoints skipped the persist")
+               for line in text.splitlines())
+
+
+def test_rounds_keep_the_worst_checkpoint_count():
+    from moc.bench.overhead import _median_of
+
+    rounds = [{"checkpoints": 8, "checkpoints_failed": 0, "stall_median_s": 1.0,
+               "checkpoint_error": None},
+              {"checkpoints": 7, "checkpoints_failed": 1, "stall_median_s": 3.0,
+               "checkpoint_error": "disk full"},
+              {"checkpoints": 8, "checkpoints_failed": 0, "stall_median_s": 2.0,
+               "checkpoint_error": None}]
+    assert _median_of(rounds) == {"checkpoints": 7, "checkpoints_failed": 1,
+                                  "stall_median_s": 2.0, "checkpoint_error": "disk full"}
+
+
+def test_the_fault_falls_on_the_last_rank_rank_0_when_alone():
+    from moc.bench.overhead import fault_rank
+
+    assert [fault_rank(w) for w in (1, 2, 4)] == [0, 1, 3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: a machine without CUDA")
+def test_without_cuda_the_gpu_limits_are_na_and_cuda_is_never_touched():
+    from moc.bench.overhead import NO_GPU, gpu_limits, gpu_rows
+
+    limits = gpu_limits()
+    assert limits == {"d2h_pinned_Bps": None, "d2h_pageable_Bps": None}
+    assert not torch.cuda.is_initialized()
+    strategies = _result()["strategies"]  # moc reported a copy: still no share
+    assert gpu_rows(limits, strategies, "cpu") == [("D2H copy", NO_GPU),
+                                                   ("snapshot copy / pinned D2H", NO_GPU)]
+
+
+def test_the_snapshot_copy_is_given_as_a_share_of_the_pinned_bandwidth():
+    from moc.bench.overhead import gpu_rows
+
+    limits = {"d2h_pinned_Bps": 50e9, "d2h_pageable_Bps": 12.5e9}
+    strategies = _result()["strategies"]  # moc: copy_Bps 4e9
+    assert gpu_rows(limits, strategies, "cuda") == [
+        ("D2H copy", "50.0 GB/s pinned, 12.5 GB/s pageable"),
+        ("snapshot copy / pinned D2H", "moc 0.08 (4.0 GB/s)")]
+    # Trained on the CPU of a GPU machine: the copy was host to host, no share.
+    assert gpu_rows(limits, strategies, "cpu")[1] == (
+        "snapshot copy / pinned D2H", "n/a (the runs trained on the CPU)")
+    assert gpu_rows(limits, {"none": {}}, "cuda")[1][1].startswith("- (no strategy")
+
+
+def test_one_process_runs_are_accepted_and_zero_is_refused(capsys):
+    from moc.bench.overhead import main
+
+    with pytest.raises(SystemExit):
+        main(["--nproc", "0"])
+    assert "--nproc must be >= 1" in capsys.readouterr().err
