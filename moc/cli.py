@@ -296,7 +296,7 @@ def parse_size(text: str) -> int:
 
 
 BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage", "dtensor",
-              "trainer")
+              "trainer", "loop")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         print("usage: moc bench {size,overhead,accuracy,persist,profile,outage,dtensor,"
-              "trainer} "
+              "trainer,loop} "
               "[options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
               "  outage    step times while the S3 server is stopped mid-run\n"
               "  profile   where one checkpoint's wall and CPU time goes, phase by phase\n"
               "  dtensor   host memory and bytes of a save on FSDP2 + DTensor EP\n"
-              "  trainer   transformers.Trainer: moc vs its own save_steps, step times\n\n"
+              "  trainer   transformers.Trainer: moc vs its own save_steps, step times\n"
+              "  loop      a checkpoint every step, phase by phase on the training thread\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:
