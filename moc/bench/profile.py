@@ -132,7 +132,7 @@ def references(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, float
                 slot[offsets[key]:offsets[key] + n].view(t.dtype).view(t.shape).copy_(t)
     with phases("XXH3 alone"):  # a seal's checksums, on one native thread
         native.digests(dsts)
-    with phases(f"XXH3 on {threads} threads"):  # wall time; CPU time is this thread's
+    with phases(f"XXH3 on {threads} thread" + "s" * (threads > 1)):  # wall; CPU: this thread
         native.digests(dsts, threads)
     with phases("XXH3, a call per tensor"):  # how seals hashed before one native call
         for d in dsts:

@@ -231,6 +231,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             p.order.saved(step)
         run = p.run  # this line's, as of this save
         self.wait_for_snapshot()  # the previous checkpoint's capture (normally done)
+        self.snapshots.wait_prepared()  # the slots' preparation, if not over yet (once)
         counts = p.ledger.take_pending(wait=self.snapshots.device is None)  # device: queued
         rng = torch.get_rng_state()
         # The snapshot thread's plan and copies wait for the work queued so far (the

@@ -16,6 +16,7 @@ are behind this object.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
@@ -56,6 +57,7 @@ class Snapshotter:
         self.store = SnapshotStore(job, rank, pin=self.copier.pin)
         self.worker = SnapshotWorker()
         self._prepared: Future | None = None
+        self._stopping = threading.Event()  # set by release: a preparation ends early
         self.peers: Peers | None = None
         """Across nodes: the replica group, for replication and for restores that reach
         another node's memory."""
@@ -112,11 +114,11 @@ class Snapshotter:
         here is met again, and reported, by that snapshot."""
         if self._prepared is not None:
             return
-        store = self.store
+        store, stop = self.store, self._stopping
 
         def run() -> None:
             try:
-                store.prepare(size)
+                store.prepare(size, stop.is_set)
             except Exception as e:  # reported by the snapshot that meets it again
                 log.info("the snapshot slots could not be prepared ahead: %s", e)
 
@@ -124,7 +126,11 @@ class Snapshotter:
 
     def wait_prepared(self) -> None:
         """Block until the slots' preparation (if any) is over: before the caller's
-        thread reads them (a restore)."""
+        thread reads them (a restore), and at a save. A save that came before the
+        preparation was over (training kept every core busy, and the snapshot thread
+        runs in SCHED_IDLE) waits for it here, so that the first checkpointed step pays
+        for it, with the cores training leaves while it waits, rather than the next one,
+        queued behind it."""
         if self._prepared is not None:
             self._prepared.result()
 
@@ -157,7 +163,10 @@ class Snapshotter:
             invalidate_node(self.job, step)
 
     def release(self) -> None:
-        """Stop the thread (after its work) and unmap the slots and replicas."""
+        """Stop the thread (after its work, but a preparation of the slots, which ends
+        at the next slot: seconds of pinning must not hold up an engine let go in a
+        recovery) and unmap the slots and replicas."""
+        self._stopping.set()
         try:
             self.worker.stop()
         finally:
