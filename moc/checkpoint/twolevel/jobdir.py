@@ -4,6 +4,14 @@ a dead job's is removed.
     /dev/shm/moc-<job>/owner.json      the process whose life the snapshots belong to
     /dev/shm/moc-<job>/rank-<r>/       a rank's snapshot slots (`twolevel.slots`)
     /dev/shm/moc-<job>/replica-<r>/    the replicas this node keeps of rank r (`replica`)
+    /dev/shm/moc-<job>/owner-gone      when a clean-up first found the owner gone (its grace)
+
+A dead job's directory is removed by the next job's clean-up (`remove_stale_jobs`), but
+not at once when it holds a snapshot: the job may be restarted as a new command, and
+its memory is its fastest recovery source. It is kept GRACE_S (10 minutes;
+$MOC_SHM_GRACE_S) from the first clean-up that found its owner gone, unless the memory
+is needed: a job that cannot reserve its own (ENOSPC) removes every dead job's
+directory at once and tries again (`make_room`).
 
 Trust: whatever is in a job's directory is loaded into the model (snapshots) and names
 the persist process's socket and secret, so only this user may be able to write there.
@@ -18,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -28,6 +37,8 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId, boot_id, pid_namespace
 from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.twolevel.nodes import node_memory_root
+
+log = logging.getLogger(__name__)
 
 shm_root = node_memory_root
 
@@ -108,7 +119,8 @@ LEGACY_OWNER = "owner.pid"
 
 
 def claim_job(job: str) -> Path:
-    """Rank 0, at the start of a job: remove the snapshot directories of dead jobs, create
+    """Rank 0, at the start of a job: remove the snapshot directories of dead jobs (those
+    past their grace, `remove_stale_jobs`; every one when the claim finds no room), create
     this job's (or check the one a restart finds: `secure_job_dir`) and record its owner:
     the process whose life the snapshots belong to, which under torchrun is the agent (it
     outlives restarts of the workers).
@@ -118,9 +130,18 @@ def claim_job(job: str) -> Path:
     this one would overwrite and whose persist process it would replace; and, with one
     line naming the root and what to do, a shared memory with no room for the claim (a
     full /dev/shm), leaving no directory of its own behind."""
+    try:
+        grace = grace_s()
+    except ValueError as e:  # one line on every rank (the executor shares it), no hang
+        raise CheckpointError(str(e)) from None
     existed = os.path.lexists(job_dir(job))
     try:
-        return _claim(job)
+        try:
+            return _claim(job, grace)
+        except OSError:
+            if not make_room(keep=job):
+                raise
+            return _claim(job, grace)  # dead jobs' snapshots gave way: try once more
     except OSError as e:
         if not existed:  # ours, made just now: nothing of anyone's can be in it but ours
             with contextlib.suppress(OSError):
@@ -134,10 +155,10 @@ def claim_job(job: str) -> Path:
             "larger tmpfs") from None
 
 
-def _claim(job: str) -> Path:
+def _claim(job: str, grace: float) -> Path:
     """`claim_job`'s work; OSError when the shared memory cannot hold it."""
     jdir = secure_job_dir(job)
-    remove_stale_jobs(keep=job)
+    remove_stale_jobs(keep=job, grace=grace)
     held = read_owner(jdir)
     ours = held is not None and held.pid in (os.getpid(), os.getppid()) and (
         held.pid_ns == pid_namespace())  # the same number in another namespace is not us
@@ -153,6 +174,7 @@ def _claim(job: str) -> Path:
     owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
     record_owner(jdir, owner)
     (jdir / LEGACY_OWNER).unlink(missing_ok=True)
+    (jdir / GONE).unlink(missing_ok=True)  # running again: a later death starts a new grace
     return jdir
 
 
@@ -185,13 +207,15 @@ def remove_job(job: str) -> None:
     shutil.rmtree(job_dir(job), ignore_errors=True)
 
 
-def remove_stale_jobs(keep: str) -> list[Path]:
+def remove_stale_jobs(keep: str, grace: float | None = None) -> list[Path]:
     """Delete snapshot directories of jobs whose owner is provably gone (a finished or
-    abandoned job: `liveness.ProcessId.gone`). `keep` (this job) is never touched: it
-    may be our recovery source. Nor is a directory of another user or a symbolic link,
-    nor one whose owner runs in another PID namespace (a container sharing this
-    /dev/shm, with `--ipc=host`: its pids are not visible here, so it only looks gone):
-    not ours to judge."""
+    abandoned job: `liveness.ProcessId.gone`) and whose grace is over (`in_grace`;
+    `grace`: seconds, default `grace_s()`; 0 removes every dead job's directory). `keep`
+    (this job) is never touched: it may be our recovery source. Nor is a directory of
+    another user or a symbolic link, nor one whose owner runs in another PID namespace
+    (a container sharing this /dev/shm, with `--ipc=host`: its pids are not visible
+    here, so it only looks gone): not ours to judge."""
+    grace = grace_s() if grace is None else grace
     removed = []
     for d in shm_root().glob("moc-*"):
         if d.name == f"moc-{keep}":
@@ -206,6 +230,8 @@ def remove_stale_jobs(keep: str) -> list[Path]:
         if owner is not None:
             if owner.gone(this_machine=True) is not True:
                 continue  # running, or not ours to judge
+            if in_grace(d, grace):
+                continue  # kept for its restart
         elif time.time() - st.st_mtime < STALE_AFTER_S:
             # No owner record: a directory being set up right now, or not ours; only
             # remove it when it has been left alone for a while.
@@ -215,5 +241,70 @@ def remove_stale_jobs(keep: str) -> list[Path]:
     return removed
 
 
+def make_room(keep: str) -> list[Path]:
+    """Remove every dead job's directory but `keep`'s, in its grace or not: called when
+    this job cannot reserve shared memory (ENOSPC), where a dead job's snapshots must
+    not make a live one fail. The directories removed (none: nothing to free)."""
+    removed = remove_stale_jobs(keep, grace=0)
+    for d in removed:
+        log.warning("moc: removed the snapshots of dead job %s before its grace was over: "
+                    "this job needs the shared memory in %s", d.name, shm_root())
+    return removed
+
+
+def in_grace(jdir: Path, grace: float) -> bool:
+    """Whether the directory of a dead job is kept for the job's restart: it holds a
+    sealed snapshot (a header, `SNAPSHOT_HEADERS`: something to resume from; a job that
+    died before its first has none) and a clean-up first found its owner gone less than
+    `grace` seconds ago. That first clean-up records the moment (`GONE`): the job's
+    death is not known, and the time of its last write says nothing of it (a job can
+    run an hour between snapshots). Where even that record cannot be written, the
+    memory is full: the grace is over."""
+    if grace <= 0 or next(jdir.glob(SNAPSHOT_HEADERS), None) is None:
+        return False
+    try:
+        since = float((jdir / GONE).read_text())
+    except FileNotFoundError:
+        try:
+            write_private(jdir / GONE, repr(time.time()))
+        except OSError:
+            return False
+        return True
+    except (OSError, ValueError):
+        return False  # not a record moc wrote (those are written whole, by a rename)
+    return time.time() - since < grace
+
+
+def grace_s() -> float:
+    """How long a dead job's snapshots are kept: GRACE_ENV if set, else GRACE_S.
+    ValueError naming the variable for a value that is not a number of seconds >= 0."""
+    text = os.environ.get(GRACE_ENV)
+    if text is None:
+        return GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{GRACE_ENV}={text!r}: expected a number of seconds >= 0 (the "
+                         f"default is {GRACE_S:g}; 0 removes a dead job's snapshots at "
+                         "the next job's start)")
+    return value
+
+
 STALE_AFTER_S = 3600
 """A snapshot directory without a live owner record is stale after an hour untouched."""
+GRACE_S = 600.0
+"""How long a dead job's snapshots outlive it in shared memory, from the first clean-up
+that finds its owner gone: time for a crashed job to be restarted as a new command (by
+hand, or by a scheduler's retry) and resume from memory although another job started on
+the node in between. Ten minutes of a dead job's memory held is the cost; a job that
+needs that memory takes it at once (`make_room`)."""
+GRACE_ENV = "MOC_SHM_GRACE_S"
+"""Overrides GRACE_S, in seconds (0: no grace, as before)."""
+GONE = "owner-gone"
+"""In a dead job's directory: when a clean-up first found its owner gone (time.time(),
+as text); removed when the job is claimed again (`claim_job`)."""
+SNAPSHOT_HEADERS = "*/slot-*.json"
+"""The sealed snapshots of a job's directory (`slots.SnapshotStore.header_path`, in
+`rank-*` and `replica-*`): what a restart could resume from."""

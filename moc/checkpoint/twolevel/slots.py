@@ -25,6 +25,7 @@ registration per checkpoint once warm. The job's directory and its trust rules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -40,7 +41,13 @@ import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.format import CHECKSUM
-from moc.checkpoint.twolevel.jobdir import job_dir, secure_dir, secure_job_dir, write_private
+from moc.checkpoint.twolevel.jobdir import (
+    job_dir,
+    make_room,
+    secure_dir,
+    secure_job_dir,
+    write_private,
+)
 from moc.checkpoint.twolevel.native import digests
 
 log = logging.getLogger(__name__)
@@ -291,7 +298,7 @@ class SnapshotStore:
                 if want:
                     # Sizes the file too. Trusted when it succeeds, whatever st_blocks
                     # says later (a compressing file system may count fewer blocks).
-                    os.posix_fallocate(fd, 0, want)
+                    _allocate(fd, want, self.job)
             except OSError as e:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, 0)
@@ -410,6 +417,18 @@ class SnapshotStore:
                                           f"{header.step}: checksum mismatch for {key!r}")
         return {key: r.view(DTYPE_NAMES[header.entries[key].dtype]).view(
             header.entries[key].shape) for key, r in raw.items()}
+
+
+def _allocate(fd: int, size: int, job: str) -> None:
+    """Reserve `size` bytes of file `fd`; when the shared memory is full, once more after
+    removing the dead jobs' snapshots kept for their restart (`jobdir.make_room`): a
+    live job's snapshot comes before a dead one's. OSError when there is no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC or not make_room(keep=job):
+            raise
+        os.posix_fallocate(fd, 0, size)
 
 
 def _bytes(raw: torch.Tensor) -> np.ndarray:
