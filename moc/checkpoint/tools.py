@@ -29,7 +29,15 @@ from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import RUN_FILE, read_run_id
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.store.steps import MANIFEST, complete_steps, step_dir
+from moc.checkpoint.store.retention import referenced_steps
+from moc.checkpoint.store.steps import (
+    MANIFEST,
+    STEP_RE,
+    SUPERSEDED,
+    complete_steps,
+    is_rank_file,
+    step_dir,
+)
 from moc.checkpoint.store.storage import Storage, open_storage
 
 ALL = "all"
@@ -142,7 +150,14 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
                     "k": int | "all", "experts_saved": {"<layer>": [ids]} | "all",
                     "corrupt": None | str}, ...],          # oldest first
          "newest": {"step": int, "by": "moe_layer" | "stem", "n_experts": int,
-                    "expert_age": {"<layer or stem>": [age or None, by expert id]}} | None}
+                    "expert_age": {"<layer or stem>": [age or None, by expert id]}} | None,
+         "superseded": [{"step": int, "bytes": int, "read_by": [int]}, ...]}
+
+    `superseded`: the step directories retention (`keep_last`) demoted to data
+    (`store.retention`: manifest.json renamed to manifest.superseded.json): no longer
+    checkpoints, kept because the complete steps in `read_by` read experts from their
+    files (a partial checkpoint's experts live where they were last written); deleted
+    once none does.
 
     A step whose manifest cannot be loaded is listed with `corrupt` set to the reason
     and None elsewhere. `newest` describes the newest step whose manifest loads (recovery
@@ -153,6 +168,7 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
     root = storage.root
     steps = []
     newest: Manifest | None = None
+    reads: dict[int, set[int]] = {}  # complete step -> the step directories it reads
     for step in _steps_of(storage):
         try:
             manifest = Manifest.load(root, step)
@@ -162,12 +178,33 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
                           "corrupt": _strip_path(str(e), step_dir(root, step) / MANIFEST)})
             continue
         newest = manifest
+        reads[step] = referenced_steps(manifest)
         steps.append({"step": step, "mode": manifest.mode,
                       "bytes": sum(manifest.files.values()), "files": len(manifest.files),
                       "keys": len(manifest.entries), "k": _k_of(manifest),
                       "experts_saved": _experts_saved_of(manifest), "corrupt": None})
+    superseded = [{"step": step, "bytes": _rank_bytes(root, step),
+                   "read_by": sorted(s for s, needs in reads.items() if step in needs)}
+                  for step in _superseded_steps(root)]
     return {"dir": str(root), "steps": steps,
-            "newest": None if newest is None else expert_ages(newest)}
+            "newest": None if newest is None else expert_ages(newest),
+            "superseded": superseded}
+
+
+def _superseded_steps(root: Path | ObjectPath) -> list[int]:
+    """Step directories with manifest.superseded.json and no manifest.json, oldest first."""
+    found = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and (d / SUPERSEDED).is_file() and not (d / MANIFEST).is_file():
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def _rank_bytes(root: Path | ObjectPath, step: int) -> int:
+    """The bytes of a step directory's rank files."""
+    return sum(f.stat().st_size for f in step_dir(root, step).iterdir()
+               if is_rank_file(f.name))
 
 
 def _human_bytes(n: int) -> str:
@@ -206,6 +243,7 @@ def format_inspect(info: dict[str, Any], as_json: bool = False) -> str:
             rows.append([str(s["step"]), s["mode"], _human_bytes(s["bytes"]), str(s["k"]),
                          _saved_text(s["experts_saved"])])
     lines += _columns(rows, right={0, 2})
+    lines += _superseded_lines(info.get("superseded") or [])
     newest = info["newest"]
     if newest is None:
         lines += ["", "no step has a readable manifest: nothing to restore from"]
@@ -222,6 +260,23 @@ def format_inspect(info: dict[str, Any], as_json: bool = False) -> str:
         rows.append([label] + ["-" if a is None else str(a) for a in ages])
     lines += _columns(rows, right=set(range(1, len(rows[0]))))
     return "\n".join(lines)
+
+
+def _superseded_lines(superseded: list[dict[str, Any]]) -> list[str]:
+    """What the other step directories are: data of the complete steps, not checkpoints
+    (before, `ls` showed five step directories and `inspect` two, with no word why)."""
+    if not superseded:
+        return []
+    lines = ["", f"{len(superseded)} superseded step director"
+                 f"{'y' if len(superseded) == 1 else 'ies'}: data, not checkpoints "
+                 "(retention renamed their manifest.json",
+             "to manifest.superseded.json); kept while a step above reads experts from "
+             "their files"]
+    rows = [["step", "bytes", "read by"]]
+    for s in superseded:
+        rows.append([str(s["step"]), _human_bytes(s["bytes"]),
+                     ", ".join(map(str, s["read_by"])) or "none (deleted at the next save)"])
+    return lines + _columns(rows, right={0, 1})
 
 
 # ----------------------------------------------------------------------------- verify

@@ -13,6 +13,7 @@ import torch
 from moc.baselines.dcp import METADATA, dcp_step_dir
 from moc.checkpoint.store.format import write_safetensors
 from moc.checkpoint.store.manifest import Entry, Manifest
+from moc.checkpoint.store.retention import apply_retention
 from moc.checkpoint.store.steps import MANIFEST, begin_step, commit_step, rank_file, step_dir
 from moc.checkpoint.tools import expert_ages, inspect_checkpoints, verify_checkpoints
 from moc.cli import check_train_config, main
@@ -137,6 +138,30 @@ def test_inspect_json_parses_and_has_every_field(tmp_path, capsys):
         assert s["corrupt"] is None
     assert info["steps"][1]["experts_saved"] == {"0": [1], "1": [2]}
     assert info["newest"]["expert_age"]["1"] == [20, 20, 10, 0]
+
+
+def test_inspect_says_what_the_superseded_step_directories_are(tmp_path, capsys):
+    """Retention keeps the newest step and demotes the older ones it reads experts from:
+    before, `ls` showed three step directories and `inspect` one, with no word why."""
+    _partial_chain(tmp_path)
+    apply_retention(tmp_path, keep_last=1)
+    info = inspect_checkpoints(tmp_path)
+    assert [s["step"] for s in info["steps"]] == [30]
+    assert [(s["step"], s["read_by"]) for s in info["superseded"]] == [(10, [30]), (20, [30])]
+    assert info["superseded"][0]["bytes"] == _rank0(tmp_path, 10).stat().st_size
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 superseded step directories: data, not checkpoints" in out
+    assert "manifest.superseded.json" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert rows["10"][-1] == rows["20"][-1] == "30"  # read by step 30
+
+
+def test_inspect_of_a_directory_without_superseded_steps_lists_none(tmp_path, capsys):
+    _partial_chain(tmp_path)
+    assert inspect_checkpoints(tmp_path)["superseded"] == []
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "superseded" not in capsys.readouterr().out
 
 
 def test_age_is_that_of_the_oldest_tensor_and_falls_back_to_stems():
