@@ -54,7 +54,8 @@ def init_distributed(device: str = "cpu", membership: Membership | None = None) 
 
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
-                       checkpointer: Any = None, attempt: int | None = None) -> None:
+                       checkpointer: Any = None, attempt: int | None = None,
+                       progress: StepProgress | None = None) -> None:
     """SIGKILL this process on `--fault-rank` at `--fault-at` on the first attempt only
     (a restarted job must get past the step that killed it), or with `--fault-every F` at
     step (r + 1) F on attempt r: each restart resumes before its attempt's fault step and
@@ -64,7 +65,11 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
     `--fault-every`: more often than it may be restarted. `attempt`: the job's attempt
     (`Trainer.attempt`, the same on every node), by default this agent's restart count.
 
-    `--fault-node J` loses node J instead (`lose_node`): all its ranks at once."""
+    `--fault-node J` loses node J instead (`lose_node`): all its ranks at once.
+
+    The rank that injects a fault says so first, in one line on stderr (`progress`:
+    rank 0's, above its bar), so that what follows (a survivor's "lost a peer",
+    torchrun's "failed (exitcode: -9)") reads as the fault asked for, not a bug."""
     attempt = restart_count() if attempt is None else attempt
     if cfg.fault_every is not None and cfg.fault_kind == "persist":
         due = step % cfg.fault_every == 0
@@ -84,19 +89,43 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
         if checkpointer is not None:
             checkpointer.flush()
         if node_rank() == cfg.fault_node:
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                _announce_fault(cfg, step, rank, f"losing node {cfg.fault_node} (its persist "
+                                "process and ranks SIGKILLed, its shared memory wiped)",
+                                progress)
             lose_node(cfg, metrics, checkpointer)
         return
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
     if cfg.fault_kind == "persist":
         for pid in checkpointer.background_pids() if checkpointer is not None else []:
+            _announce_fault(cfg, step, rank, f"SIGKILL of the persist process (pid {pid})",
+                            progress)
             os.kill(pid, signal.SIGKILL)  # rank 0 owns the process
         return
     if cfg.fault_rank == rank:
+        what = {"hang": "SIGSTOP of this process (pid {}): it hangs",
+                "node": "its node's snapshots wiped, then SIGKILL of this process (pid {})"
+                }.get(cfg.fault_kind, "SIGKILL of this process (pid {})")
+        _announce_fault(cfg, step, rank, what.format(os.getpid()), progress)
         metrics.close()
         if cfg.fault_kind == "node" and checkpointer is not None:
             checkpointer.drop_node_memory()  # this job's node-local snapshots
         # hang: every thread stops, sockets stay open; only a watchdog sees it.
         os.kill(os.getpid(), signal.SIGSTOP if cfg.fault_kind == "hang" else signal.SIGKILL)
+
+
+def _announce_fault(cfg: TrainConfig, step: int, rank: int, what: str,
+                    progress: StepProgress | None) -> None:
+    """The line that says a fault is injected on purpose, and which (flushed: a SIGKILL
+    follows)."""
+    flag = (f"--fault-every {cfg.fault_every}" if cfg.fault_every is not None
+            else f"--fault-at {cfg.fault_at}")
+    line = f"moc train: rank {rank}: injecting a fault at step {step} ({flag}): {what}"
+    if progress is not None and progress.enabled:
+        progress.message(line)
+    else:
+        print(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> None:
@@ -366,7 +395,7 @@ class Trainer:
         while self.step < cfg.steps:
             self.step += 1
             maybe_inject_fault(cfg, self.step, self.rank, self.metrics, self.checkpointer,
-                               self.attempt)
+                               self.attempt, progress)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
             # Every rank, every step: whether a SIGTERM or SIGINT reached any rank. The
