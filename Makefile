@@ -11,8 +11,14 @@ $(VENV)/.installed: pyproject.toml setup.py moc/checkpoint/twolevel/streamcopy.c
 	bash scripts/setup.sh $(VENV)
 	touch $@
 
+# moc is installed in $(VENV), not on the PATH: the last lines say how to run it.
 demo: setup
 	$(PY) -m moc demo
+	@echo
+	@echo "Next (moc is in $(VENV)/bin, not on your PATH):"
+	@echo "  $(VENV)/bin/moc inspect runs/demo/ckpt   # steps, bytes, experts each step saved"
+	@echo "  $(VENV)/bin/moc verify runs/demo/ckpt    # every checksum and size"
+	@echo "  source $(VENV)/bin/activate              # then plain moc: moc --help"
 
 test: setup
 	$(PY) -m ruff check .
