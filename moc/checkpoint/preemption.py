@@ -165,6 +165,17 @@ class Preemption:
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
 
+    def leave_now(self, why: str) -> None:
+        """End the process at once for the signal received (its exit status), with one
+        line: where no final checkpoint can be taken (the ranks are not all there, as
+        while in-job recovery re-forms the job), waiting out the grace period would only
+        end in its untrue line."""
+        assert self.received is not None
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+        _exit(self.received, why)
+
     # -- the signal's side -----------------------------------------------------------------
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

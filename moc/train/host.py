@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from moc.train.injob import (
     ENV_GEN,
     ENV_PRESTART,
     ENV_STANDBY,
+    ENV_STORE,
     PREFIX,
     gen_key,
     next_generation,
@@ -154,7 +156,9 @@ class RankHost:
         self.hang_timeout_s = hang_timeout_s
         self.max_replacements = max_replacements
         self.replacements = 0
-        self.store = _serve_store()
+        self.round_store, self.store = _serve_store()
+        """The round's store (served here on rank 0 across nodes: kept while the host
+        lives) and the job's, in its namespace."""
         self.standby: Child | None = None
         self.signal: int | None = None
         self.child: Child | None = None
@@ -283,20 +287,56 @@ def _signal_name(number: int) -> str:
 
 
 def _serve_store() -> Any:
-    """The job's store: served by torchrun's agent on one node (its shared store), by
-    rank 0's host across simulated nodes (each rendezvous round's fresh port), where a
-    training process would take it down with it."""
+    """The job's store, in the namespace every host of this torchrun round agreed on
+    (`agree_namespace`, put in the environment its training processes inherit).
+
+    Where it lives: $MOC_JOB_STORE when set (`moc train --nodes` serves it in its
+    launcher, as a cluster's rendezvous endpoint would: no training node's loss takes
+    it), else the round's own store, MASTER_ADDR:MASTER_PORT: the agent's shared store
+    on one node, or across nodes a store of each rendezvous round served by rank 0's
+    host (never by a training process, which may die). Losing the node that serves it
+    ends in-job recovery: the survivors' store calls fail, they exit, and torchrun's
+    restart (or the scheduler's) resumes the job from what memory and storage hold."""
     import torch.distributed as dist
 
-    from moc.topology import COLLECTIVE_TIMEOUT, restart_count
+    from moc.topology import COLLECTIVE_TIMEOUT
+    from moc.train.injob import ENV_NS, connect, namespace
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]) if not agent and rank == 0 else None,
-                          is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT,
-                          wait_for_workers=False)
-    return dist.PrefixStore(f"{PREFIX}/attempt-{restart_count()}", store)
+    round_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]) if not agent and rank == 0 else None,
+        is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    os.environ[ENV_NS] = agree_namespace(round_store, rank, agent)
+    store = round_store if not os.environ.get(ENV_STORE) else connect()
+    return round_store, dist.PrefixStore(namespace(), store)
+
+
+def agree_namespace(round_store: Any, rank: int, agent: bool) -> str:
+    """A name for this torchrun round that every host agrees on: made by rank 0's host
+    and read from the round's own store, which is fresh every round. Not torchrun's
+    restart count: each agent counts only its own workers' failures, so after one node's
+    restart rank 0 had 0 and rank 1 had 1, and the ranks never met again.
+
+    The agent's shared store outlives rounds, so a name in it could be last round's:
+    on one node (one agent, one count) the restart count serves; across nodes moc needs
+    a store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as `moc train --nodes` and
+    the multi-node guide set), and says so."""
+    from moc.topology import restart_count
+
+    if agent:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if nodes > 1:
+            raise SystemExit(
+                "moc train: error: in-job recovery across nodes needs a store per "
+                "rendezvous round; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun "
+                "on every node (docs/guide/multi-node.md)")
+        return f"attempt-{restart_count()}"
+    key = f"{PREFIX}/namespace"
+    if rank == 0:
+        round_store.set(key, f"round-{uuid.uuid4().hex[:12]}")
+    return round_store.get(key).decode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,23 +52,39 @@ ENV_STANDBY = "MOC_INJOB_STANDBY"
 """Set on a spare: it waits, imported, for its host's word before it starts."""
 ENV_PRESTART = "MOC_INJOB_PRESTART"
 """Set when a node leader keeps a persist process started ahead (two-level engine)."""
+ENV_NS = "MOC_INJOB_NS"
+"""The job's namespace in its store, agreed by every host of a torchrun round (the host
+sets it for its training processes: `moc.train.host.agree_namespace`)."""
+ENV_STORE = "MOC_JOB_STORE"
+"""`host:port` of a store that outlives any one node (`moc train --nodes` serves one in
+its launcher); absent: the round's store, torchrun's MASTER_ADDR:MASTER_PORT."""
 HEARTBEAT_S = 0.1
 FORM_POLL_S = 0.005
-FORM_TIMEOUT_S = 300.0
-"""How long a generation may take to gather every rank (a replacement's start-up and
-its restore included) before the members give up (exit 1: torchrun's restart)."""
+FORM_FLOOR_S = 5.0
+FORM_FACTOR = 10.0
+"""Once every rank of a generation is a member, their process group forms within
+max(FORM_FLOOR_S, FORM_FACTOR x the job's median step time), doubled at each failed try
+in a row: a member that died or froze meanwhile costs one more generation, not the
+store's 300 s wait (the hang timeout's rule: `moc.train.host`)."""
+FORM_REPORT_S = 30.0
+"""While a generation waits for ranks (a replacement starting, a lost machine's
+successor), who is missing is said this often. The wait itself has no end: a job is
+never given up for a rank that may still come."""
 PREFIX = "moc/injob"
 STEP_WINDOW = 20
 """Step times the heartbeat's median is taken over."""
 
-_LOST = re.compile(r"Connection (closed|reset)|Broken pipe|Socket Timeout|"
-                   r"Timed out waiting|connectFullMesh|Read error|Write error")
+_LOST = re.compile(r"Connection (closed|reset|refused)|Broken pipe|Socket Timeout|"
+                   r"Timed out waiting|connectFullMesh|Read error|Write error|"
+                   r"wait timeout|failed to connect")
 
 
 def lost_peer(error: BaseException | None) -> bool:
     """Whether `error` means a peer is gone: gloo's broken or refused connections and
     its timeouts, raised by a collective or by a checkpoint whose collective met one
-    (the cause, or the message an engine's agreed error carries)."""
+    (the cause, or the message an engine's agreed error carries), and the store's (a
+    `DistStoreError` wait timeout: a rendezvous whose peer died before it wrote its key;
+    a `DistNetworkError`: a store whose server is gone)."""
     seen = 0
     while error is not None and seen < 10:
         if (isinstance(error, RuntimeError | OSError) or type(error).__name__.endswith(
@@ -83,12 +99,33 @@ def enabled() -> bool:
     return ENV_FD in os.environ
 
 
+def store_address() -> tuple[str, int]:
+    """Where the job's store is: $MOC_JOB_STORE (a store that outlives any node), else
+    the torchrun round's (MASTER_ADDR:MASTER_PORT)."""
+    address = os.environ.get(ENV_STORE)
+    if address:
+        host, _, port = address.rpartition(":")
+        return host, int(port)
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def connect(timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
+    """A new client of the job's store, unprefixed."""
+    host, port = store_address()
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def namespace() -> str:
+    """The job's keys in its store start with this: the namespace every host of this
+    torchrun round agreed on (ENV_NS), else, outside a host (a test), torchrun's restart
+    count."""
+    return f"{PREFIX}/{os.environ.get(ENV_NS) or f'attempt-{restart_count()}'}"
+
+
 def job_store(timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> dist.Store:
-    """A client of the job's store (its host or torchrun's agent serves it), prefixed by
-    torchrun's restart count when the agent's store is shared across restarts."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout, wait_for_workers=False)
-    return dist.PrefixStore(f"{PREFIX}/attempt-{restart_count()}", store)
+    """A client of the job's store, in the job's namespace."""
+    return dist.PrefixStore(namespace(), connect(timeout))
 
 
 def generation(store: dist.Store) -> int:
@@ -121,17 +158,42 @@ class Membership:
         self.step_times: list[float] = []
         self.trained = 0
         """Steps done since this process last joined a generation."""
+        self.job_step_s = (float(self.store.get("step_s")) if self.store.check(["step_s"])
+                           else None)
+        """The job's step time, as its survivors left it (None: no fault yet)."""
         self._step = step
         self._pipe = os.fdopen(int(os.environ[ENV_FD]), "w", buffering=1)
         threading.Thread(target=self._beat, name="moc-injob-heartbeat", daemon=True).start()
 
     # -- the process groups --------------------------------------------------------------
 
-    def join(self, backend: str) -> None:
+    def join(self, backend: str, stopping: Callable[[], None] | None = None) -> None:
         """Enter the current generation: wait until every rank is a member of it (moving
         on with the job when a later fault moved it further), then start the default
-        process group on its own prefix of the store."""
-        deadline = time.monotonic() + FORM_TIMEOUT_S
+        process group on its own prefix of the store. A member lost while the group
+        forms (its host moves the job on; one frozen is found by the form timeout) costs
+        one more generation, never the job. `stopping`: called while waiting; it ends the
+        process when a stop was requested (no final checkpoint without every rank)."""
+        tries = 0
+        while True:
+            self._gather(stopping)
+            try:
+                self._form(backend, tries)
+                break
+            except Exception as e:
+                if not lost_peer(e):
+                    raise
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self._say(f"generation {self.gen} did not form ({_first_line(e)}); "
+                          "moving on")
+                self.gen = next_generation(self.store, self.gen)
+                tries += 1
+        self.trained = 0
+
+    def _gather(self, stopping: Callable[[], None] | None) -> None:
+        """Until every rank is a member of `gen`, following the job's generation."""
+        report_at = time.monotonic() + FORM_REPORT_S
         while True:
             members = gen_key(self.gen)
             self.store.set(f"{members}/member/{self.rank}", str(os.getpid()))
@@ -139,24 +201,52 @@ class Membership:
             while not self.store.check(keys):
                 if generation(self.store) > self.gen:
                     break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"in-job recovery: generation {self.gen} did not gather its "
-                        f"{self.world} ranks within {FORM_TIMEOUT_S:.0f}s")
+                if stopping is not None:
+                    stopping()
+                if time.monotonic() > report_at:
+                    missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                    self._say(f"generation {self.gen} waits for rank(s) {missing}")
+                    report_at += FORM_REPORT_S
                 time.sleep(FORM_POLL_S)
             else:
-                break
+                return
             self.gen = generation(self.store)
+
+    def _form(self, backend: str, tries: int) -> None:
+        """The generation's process group, on a store client whose waits end after the
+        form timeout (gloo's rendezvous waits on the store for every member's address:
+        a member lost after it joined would otherwise hold the others for the store's
+        300 s); the collectives then get the job's usual timeout."""
+        limit = datetime.timedelta(seconds=self.form_timeout_s() * 2 ** min(tries, 4))
+        client = connect(limit)
+        _forget_failed_groups()
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"{members}/pg", self.store), rank=self.rank,
-            world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
-        self.trained = 0
+            backend, store=dist.PrefixStore(f"{namespace()}/{gen_key(self.gen)}/pg", client),
+            rank=self.rank, world_size=self.world, timeout=limit)
+        client.set_timeout(COLLECTIVE_TIMEOUT)
+        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
+
+    def form_timeout_s(self) -> float:
+        """How long a gathered generation's process group may take to form."""
+        step_s = self.step_s()
+        return max(FORM_FLOOR_S, FORM_FACTOR * step_s) if step_s else FORM_FLOOR_S
+
+    def step_s(self) -> float | None:
+        """The median step time: this process's, else the one the job's last survivors
+        left in the store (a replacement has timed none yet)."""
+        if self.step_times:
+            return statistics.median(self.step_times)
+        return self.job_step_s
 
     def leave(self) -> int:
         """After a failed collective: destroy every process group (closing this rank's
         connections, so that a survivor blocked on this one fails too) and move the job
-        to the next generation; the generation to join."""
+        to the next generation; the generation to join. The step time goes into the
+        store, for the replacement's form and hang timeouts."""
         dist.destroy_process_group()
+        if self.step_times:
+            self.store.set("step_s", str(statistics.median(self.step_times)))
         self.gen = next_generation(self.store, self.gen)
         return self.gen
 
@@ -180,15 +270,17 @@ class Membership:
 
     def _beat(self) -> None:
         while True:
-            times = self.step_times
             line = {"gen": self.gen, "step": self._step(), "phase": self.phase,
                     "waiting": self._waiting(), "trained": self.trained,
-                    "step_s": statistics.median(times) if times else None}
+                    "step_s": self.step_s()}
             try:
                 self._pipe.write(json.dumps(line) + "\n")
             except (OSError, ValueError):  # the host is gone: so is the job
                 os._exit(1)
             time.sleep(HEARTBEAT_S)
+
+    def _say(self, line: str) -> None:
+        print(f"moc train: rank {self.rank}: {line}", file=sys.stderr, flush=True)
 
     @staticmethod
     def _waiting() -> bool:
@@ -203,6 +295,21 @@ class Membership:
                     return True
                 frame, depth = frame.f_back, depth + 1
         return False
+
+
+def _forget_failed_groups() -> None:
+    """Number the next default group 0, as in a new process. torch names a group by a
+    count of the groups this process made (its keys in the store start with it), and
+    only destroying the default group resets it: after an `init_process_group` that
+    failed, a retry would be group 1 while a newcomer's is group 0, and the two would
+    wait on different keys for ever. A private name of torch's, reached only here."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:120]
 
 
 def gen_key(gen: int) -> str:

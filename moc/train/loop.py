@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from moc.checkpoint.api import CheckpointEngine
 from moc.checkpoint.preemption import Preemption
+from moc.checkpoint.store.steps import complete_steps
+from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.twolevel.prestart import prestart
 from moc.parallel import (
     ParallelGroups,
@@ -40,17 +43,18 @@ from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_eve
 from moc.train.report import RunResult, report_checkpoint, summary
 
 
-def init_distributed(device: str = "cpu", membership: Membership | None = None) -> None:
+def init_distributed(device: str = "cpu", membership: Membership | None = None,
+                     stopping: Callable[[], None] | None = None) -> None:
     """Join the torchrun job: NCCL on cuda (each rank on GPU LOCAL_RANK), gloo on the
     CPU; `moc.init_distributed` does the restart-safe part, `membership` (in-job
-    recovery) the generation's."""
+    recovery) the generation's (`stopping`: called while it waits for its ranks)."""
     backend = "nccl" if device == "cuda" else "gloo"
     if membership is None:
         init(backend=backend)
         return
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    membership.join(backend)
+    membership.join(backend, stopping)
 
 
 def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsWriter,
@@ -181,13 +185,13 @@ class Trainer:
             # use); deterministic algorithms are what make a resumed run bitwise exact.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.step = 0
+        self.cfg = cfg
+        self.preemption = preemption
         self.membership = (Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                                       lambda: self.step) if in_job() else None)
         """In-job recovery: this process's generation of the job (None: restarts)."""
-        init_distributed(cfg.device, self.membership)
+        init_distributed(cfg.device, self.membership, self._stop_while_forming)
         torch.use_deterministic_algorithms(True)
-        self.cfg = cfg
-        self.preemption = preemption
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
         self.rank = self.groups.rank
@@ -331,7 +335,8 @@ class Trainer:
             self.routing.remove()
         if self.checkpointer is not None:
             self.checkpointer.abandon()
-        membership.join("nccl" if self.cfg.device == "cuda" else "gloo")
+        membership.join("nccl" if self.cfg.device == "cuda" else "gloo",
+                        self._stop_while_forming)
         self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
         rebind_experts(self.model, self.groups)
         self.optimizer.rebind(self.groups)
@@ -341,6 +346,22 @@ class Trainer:
         self.attempt = self._agree_on_placement()
         self.checkpointer = self.make_checkpointer()
         self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
+
+    def _stop_while_forming(self) -> None:
+        """A stop request (SIGTERM, SIGINT) while the job re-forms after a fault: no
+        final checkpoint can be taken without every rank, so this process ends at once
+        and says, truthfully, which step storage holds."""
+        p = self.preemption
+        if p is None or p.received is None:
+            return
+        try:
+            steps = (complete_steps(open_storage(self.cfg.ckpt_dir).root)
+                     if self.cfg.ckpt_dir else [])
+        except (OSError, ValueError):  # an object store out of reach: say what is known
+            steps = []
+        durable = f"step {steps[-1]} is durable" if steps else "no step is durable yet"
+        p.leave_now(f"{p.received.name} while the job re-formed after a fault: stopping "
+                    f"without a final checkpoint; {durable} in {self.cfg.ckpt_dir}")
 
     def _recovery(self, last: dict | None, fields: dict[str, Any]) -> RecoveryLog:
         """The recovery event of this restore, written after the first step."""

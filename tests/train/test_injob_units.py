@@ -15,7 +15,14 @@ import torch.distributed as dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel import prestart
 from moc.train import host
-from moc.train.injob import generation, lost_peer, next_generation
+from moc.train.injob import (
+    FORM_FACTOR,
+    FORM_FLOOR_S,
+    Membership,
+    generation,
+    lost_peer,
+    next_generation,
+)
 
 
 def test_broken_connections_and_timeouts_are_lost_peers_and_nothing_else_is():
@@ -33,6 +40,12 @@ def test_broken_connections_and_timeouts_are_lost_peers_and_nothing_else_is():
             raise CheckpointError("the snapshot's plan failed") from e
     except CheckpointError as chained:
         assert lost_peer(chained)
+    # The store's: a rendezvous whose peer died before it wrote its key, a store whose
+    # server is gone.
+    assert lost_peer(dist.DistStoreError("wait timeout after 5000ms, keys: /gen-1/pg/0"))
+    assert lost_peer(dist.DistNetworkError("The client socket has failed to connect to "
+                                           "any network address of (127.0.0.1, 29500)"))
+    assert lost_peer(RuntimeError("Connection refused"))
     for other in (RuntimeError("CUDA out of memory"), ValueError("Connection closed"),
                   KeyboardInterrupt(), CheckpointError("checksum mismatch"), None):
         assert not lost_peer(other), other
@@ -122,3 +135,31 @@ def test_a_prestarted_persist_process_waits_and_ends_unused_at_eof():
     assert os.getpriority(os.PRIO_PROCESS, process.pid) >= 10  # low from its start
     process.stdin.close()  # its starter is done with it: EOF
     assert process.wait(timeout=60) == 0
+
+
+def test_the_round_namespace_is_made_by_rank_0_and_read_by_every_other_host(monkeypatch):
+    """Not torchrun's restart count, which each agent keeps for its own workers."""
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    made = host.agree_namespace(store, 0, agent=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert host.agree_namespace(store, 1, agent=False) == made
+    assert made.startswith("round-") and made != host.agree_namespace(dist.HashStore(), 0,
+                                                                       agent=False)
+    # The agent's shared store outlives rounds: one node's count serves; across nodes
+    # moc asks for a store per round, in one line.
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert host.agree_namespace(store, 0, agent=True) == "attempt-0"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        host.agree_namespace(store, 0, agent=True)
+
+
+def test_the_form_timeout_follows_the_step_time_with_a_floor():
+    m = Membership.__new__(Membership)
+    m.step_times, m.job_step_s = [], None
+    assert m.form_timeout_s() == FORM_FLOOR_S  # nothing timed: the floor
+    m.job_step_s = 2.0  # a newcomer: what the survivors left in the store
+    assert m.form_timeout_s() == FORM_FACTOR * 2.0
+    m.step_times = [0.01, 0.02, 0.03]
+    assert m.form_timeout_s() == FORM_FLOOR_S
