@@ -123,8 +123,10 @@ class EngineParts:
                              "experts per MoE layer; use k <= n_experts, or k=None for all")
         failures = FailurePolicy(max_failures, groups.rank)
         dist = Dist(groups)
-        state = RankState(model, as_optimizer_state(optimizer, model), spec,
-                          groups.rank).placed(dist.all_gather)
+        # Collective: a rank that refuses its layout still enters it, so every rank
+        # raises the same refusal.
+        state = RankState.agreed(model, as_optimizer_state(optimizer, model), spec,
+                                 groups.rank, dist.all_gather)
         storage = open_storage(directory)  # the one place the directory is normalised
         root = storage.root
         lock, run_id, newest, failed = None, None, None, None

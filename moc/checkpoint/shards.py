@@ -17,6 +17,11 @@ DTensor's mesh and placements, so the write plan (which rank writes a piece seve
 hold) is the same everywhere. A layout that is not a grid of boxes (a `_StridedShard`
 whose local rows are not contiguous) and a `Partial` placement are refused with
 `UnsupportedLayoutError`, naming the tensor and its placements.
+
+When an engine is built the ranks exchange, once, what each holds (`report`: its own
+boxes, or its refusal of the layout) and each computes the verdict from the same list
+(`agreed_placements`): the same placements on every rank, or the same one-line error
+raised on every rank, never one rank raising while its peers wait in a collective.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -102,11 +108,18 @@ class Sharding:
     """Every distinct non-empty box and the global ranks holding it, in box order."""
     mine: Box
     """This rank's box (its local tensor)."""
+    empty: tuple[int, ...] = ()
+    """The global ranks that hold nothing of it: a dimension smaller than the ranks it is
+    sharded over (FSDP2 on a `Linear(D, 1)` over 2 ranks: rank 0 holds the whole weight,
+    rank 1 a 0-row piece)."""
 
     @property
     def whole(self) -> bool:
-        """Every rank holds the whole tensor (replicated): saved under its plain key."""
-        return self.mine.shape == self.global_shape
+        """Every rank holds the whole tensor (replicated): saved under its plain key, as
+        a plain tensor is. The same answer on every rank: a tensor that one rank holds
+        whole and another not at all is sharded, though that rank's piece is the whole."""
+        return (not self.empty and len(self.pieces) == 1
+                and self.pieces[0][0].shape == self.global_shape)
 
     def suffix(self, box: Box) -> str:
         """The key suffix of `box`: none for the whole tensor."""
@@ -135,8 +148,8 @@ def sharding_of(name: str, t: torch.Tensor) -> Sharding | None:
     mesh = t.device_mesh
     if mesh.mesh.dim() and mesh.get_coordinate() is None:
         raise UnsupportedLayoutError(f"{name}: this rank is not in its mesh ({_describe(t)})")
-    sharding = _sharding(tuple(t.shape), tuple(t.placements), tuple(mesh.mesh.shape),
-                         tuple(mesh.mesh.flatten().tolist()), tuple(mesh.get_coordinate()))
+    sharding = sharding_on(tuple(t.shape), tuple(t.placements), tuple(mesh.mesh.shape),
+                           tuple(mesh.mesh.flatten().tolist()), tuple(mesh.get_coordinate()))
     if sharding is None:
         raise UnsupportedLayoutError(
             f"{name}: {_describe(t)}: its local pieces are not contiguous boxes of the "
@@ -151,13 +164,16 @@ def sharding_of(name: str, t: torch.Tensor) -> Sharding | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _sharding(global_shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...],
-              ranks: tuple[int, ...], me: tuple[int, ...]) -> Sharding | None:
+def sharding_on(global_shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...],
+                ranks: tuple[int, ...], me: tuple[int, ...]) -> Sharding | None:
     """Every box of a tensor of `global_shape` laid out by `placements` on a mesh of
-    `mesh_shape` whose coordinates hold `ranks` (row-major); None when the boxes do not
-    tile the tensor. Cached: the parameters of a model share a few layouts, and a plan
-    asks for each at every checkpoint."""
+    `mesh_shape` whose coordinates hold `ranks` (row-major), as the rank at coordinate
+    `me` sees them (`sharding_of`, pure: no DTensor, no process group); None when the
+    boxes do not tile the tensor. All but `mine` is the same at every coordinate.
+    Cached: the parameters of a model share a few layouts, and a plan asks for each at
+    every checkpoint."""
     holders: dict[Box, list[int]] = {}
+    empty: list[int] = []
     mine = None
     for i, coord in enumerate(itertools.product(*(range(n) for n in mesh_shape))):
         shape, offsets = _compute_local_shape_and_global_offset(
@@ -165,13 +181,15 @@ def _sharding(global_shape: tuple[int, ...], placements: tuple, mesh_shape: tupl
         box = Box(tuple(offsets), tuple(shape))
         if coord == me:
             mine = box
-        if box.numel or not global_shape:
+        if box.numel:
             holders.setdefault(box, []).append(ranks[i])
+        else:
+            empty.append(ranks[i])
     assert mine is not None, "a rank in the mesh has a coordinate"
     if not tiles(global_shape, holders):
         return None
     return Sharding(global_shape, tuple((b, tuple(r)) for b, r in sorted(holders.items())),
-                    mine)
+                    mine, tuple(sorted(empty)))
 
 
 def tiles(global_shape: tuple[int, ...], boxes: Iterable[Box]) -> bool:
@@ -195,6 +213,77 @@ def tiles(global_shape: tuple[int, ...], boxes: Iterable[Box]) -> bool:
     grid = math.prod(len({(b.offsets[d], b.shape[d]) for b in boxes})
                      for d in range(len(global_shape)))
     return grid == len(boxes)
+
+
+Placed = tuple[tuple[Box, tuple[int, ...]], ...]
+"""Every distinct non-empty piece of a tensor, and the global ranks holding it."""
+
+
+def report(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """What this rank tells the others of its layout (plain data, for a collective): the
+    box of each DTensor among `tensors` sharded over the ranks, as [offsets, shape, global
+    shape]. Raises what `sharding_of` raises; `refusal` reports that instead."""
+    pieces = {}
+    for name, t in tensors:
+        sharding = sharding_of(name, t)
+        if sharding is not None and not sharding.whole:
+            pieces[name] = [list(sharding.mine.offsets), list(sharding.mine.shape),
+                            list(sharding.global_shape)]
+    return {"pieces": pieces, "refused": None}
+
+
+def refusal(error: ValueError) -> dict[str, Any]:
+    """The report of a rank that refuses its layout (or another argument): `error`'s
+    class name and message, raised on every rank by `agreed_placements`."""
+    return {"pieces": {}, "refused": [type(error).__name__, str(error)]}
+
+
+def agreed_placements(reports: Sequence[dict[str, Any]]) -> dict[str, Placed]:
+    """Every piece of each DTensor sharded over the ranks, and the ranks that hold it,
+    from every rank's `report` (in rank order); the same on every rank, as is what it
+    raises: ValueError (UnsupportedLayoutError when that was the reason) when a rank
+    refused, when a tensor is sharded on some ranks only, or when the pieces the ranks
+    hold do not tile it. One line, naming the ranks where they differ."""
+    refused = [(r, tuple(rep["refused"])) for r, rep in enumerate(reports) if rep["refused"]]
+    if refused:
+        kinds = {kind for _, (kind, _) in refused}
+        cls = UnsupportedLayoutError if UnsupportedLayoutError.__name__ in kinds else ValueError
+        by_message: dict[str, list[int]] = {}
+        for r, (_, message) in refused:
+            by_message.setdefault(message, []).append(r)
+        if len(by_message) == 1 and len(refused) == len(reports):  # every rank alike
+            raise cls(next(iter(by_message)))
+        raise cls("; ".join(f"{_ranks(rs)}: {m}" for m, rs in by_message.items()))
+    out: dict[str, Placed] = {}
+    for name in dict.fromkeys(n for rep in reports for n in rep["pieces"]):
+        missing = [r for r, rep in enumerate(reports) if name not in rep["pieces"]]
+        if missing:
+            have = [r for r in range(len(reports)) if r not in missing]
+            raise UnsupportedLayoutError(
+                f"{name} is a DTensor sharded over the ranks on {_ranks(have)} but not on "
+                f"{_ranks(missing)}; build the same layout on every rank")
+        shapes = [tuple(rep["pieces"][name][2]) for rep in reports]
+        if len(set(shapes)) != 1:
+            raise UnsupportedLayoutError(
+                f"{name}: the ranks hold pieces of tensors of different shapes "
+                f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(shapes))}); build "
+                "the same model on every rank")
+        held: dict[Box, list[int]] = {}
+        for r, rep in enumerate(reports):
+            offsets, shape, _ = rep["pieces"][name]
+            box = Box(tuple(offsets), tuple(shape))
+            if box.numel:  # a rank holding nothing of it (1 row over 2 ranks) writes none
+                held.setdefault(box, []).append(r)
+        if not tiles(shapes[0], held):
+            raise UnsupportedLayoutError(
+                f"{name}: the pieces the ranks hold do not tile its {shapes[0]}; build the "
+                "same layout on every rank")
+        out[name] = tuple((b, tuple(r)) for b, r in sorted(held.items()))
+    return out
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

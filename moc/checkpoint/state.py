@@ -41,12 +41,15 @@ from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpoint
 from moc.checkpoint.shards import (
     Box,
     DTensor,
+    Placed,
     UnsupportedLayoutError,
+    agreed_placements,
     extent,
     local,
+    refusal,
+    report,
     sharding_of,
     split_key,
-    tiles,
 )
 from moc.checkpoint.spec import (
     PARAM_GROUPS_KEY,
@@ -430,8 +433,6 @@ def piece_key(key: str, name: str, t: torch.Tensor) -> str:
     return key + sharding.suffix(sharding.mine) if sharding is not None else key
 
 
-Placed = tuple[tuple[Box, tuple[int, ...]], ...]
-"""Every distinct piece of a tensor, and the global ranks holding it."""
 Named = Sequence[tuple[str, torch.Tensor]]
 """A model's parameters by name (`RankState.named`, as the model held them when the
 engine was built)."""
@@ -828,40 +829,33 @@ class RankState:
         object.__setattr__(self, "pieces",
                            zlib.crc32("|".join(pieces).encode()) if pieces else 0)
 
+    @classmethod
+    def agreed(cls, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
+               rank: int, all_gather: Callable[[Any], list[Any]]) -> RankState:
+        """`RankState(...).placed(all_gather)` on every rank, or the same refusal raised
+        on every rank (collective). A rank whose construction refuses the model (an
+        UnsupportedLayoutError, a ValueError) still enters the one all-gather, carrying
+        its refusal in place of its pieces: raising before it would leave its peers in a
+        collective it never enters (gloo's "Connection closed by peer"), each with a
+        different story."""
+        try:
+            state = cls(model, optimizer, spec, rank)
+        except ValueError as e:  # UnsupportedLayoutError is one
+            agreed_placements(all_gather(refusal(e)))  # raises: this rank refused
+            raise AssertionError("a rank's refusal is raised by every rank") from e
+        return state.placed(all_gather)
+
     def placed(self, all_gather: Callable[[Any], list[Any]]) -> RankState:
         """This state with `placements`: which ranks hold each piece, from every rank's
-        own piece (one all-gather, collective). A DTensor's mesh may be a slice of a
-        larger one (FSDP2 over dp_shard of a dp_shard x ep mesh): its own mesh then names
-        only some of the ranks that hold the same piece, and two ranks that each think
-        they alone hold it would both write it. Raises UnsupportedLayoutError when the
-        pieces of all ranks do not tile a tensor."""
+        own piece (one all-gather, collective, entered whatever the layout). A DTensor's
+        mesh may be a slice of a larger one (FSDP2 over dp_shard of a dp_shard x ep
+        mesh): its own mesh then names only some of the ranks that hold the same piece,
+        and two ranks that each think they alone hold it would both write it. Raises the
+        same UnsupportedLayoutError on every rank when the ranks' pieces do not tile a
+        tensor (`shards.agreed_placements`)."""
         tensors = [*self.named, *((buffer_key(n), b) for n, b in
                                   persistent_buffers(self.model, self.spec).items())]
-        mine = {}
-        for name, p in tensors:
-            sharding = sharding_of(name, p)
-            if sharding is not None and not sharding.whole:
-                mine[name] = [list(sharding.mine.offsets), list(sharding.mine.shape)]
-        if not mine:  # no DTensor sharded over the ranks: nothing to gather
-            return self
-        every = all_gather(mine)
-        placements: dict[str, Placed] = {}
-        for name, p in tensors:
-            if name not in mine:
-                continue
-            held: dict[Box, list[int]] = {}
-            for rank, boxes in enumerate(every):
-                if name not in boxes:
-                    raise UnsupportedLayoutError(
-                        f"{name} is a DTensor sharded over the ranks here but not on rank "
-                        f"{rank}; build the same layout on every rank")
-                held.setdefault(Box(tuple(boxes[name][0]), tuple(boxes[name][1])), []).append(rank)
-            if not tiles(tuple(p.shape), [b for b in held if b.numel]):
-                raise UnsupportedLayoutError(
-                    f"{name}: the pieces the ranks hold do not tile its {tuple(p.shape)}; "
-                    "build the same layout on every rank")
-            placements[name] = tuple((b, tuple(r)) for b, r in sorted(held.items()) if b.numel)
-        return replace(self, placements=placements)
+        return replace(self, placements=agreed_placements(all_gather(report(tensors))))
 
     @property
     def device(self) -> torch.device | None:
