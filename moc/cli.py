@@ -27,7 +27,8 @@ class RunComplete(Exception):
     do, and nothing wrong (a scheduler that starts a finished job again)."""
 
 
-def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
+def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
+                       spare_nodes: int = 0) -> None:
     """Everything that can be checked before starting processes, so that bad input gets
     one clear line instead of a traceback from every rank. `nproc` ranks on each of
     `nodes` (simulated) nodes."""
@@ -42,6 +43,15 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1) -> None:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     world = nodes * nproc
     ParallelLayout(world, cfg.resolve_ep(world), cfg.model.n_experts)
+    if spare_nodes and (nodes < 2 or cfg.recovery != "in-job"):
+        raise ValueError(f"--spare-nodes {spare_nodes} stands machines by for in-job "
+                         "recovery across machines: it needs --nodes 2 or more and "
+                         "--recovery in-job")
+    if spare_nodes < 0:
+        raise ValueError(f"--spare-nodes must be >= 0, got {spare_nodes}")
+    if cfg.fault_kind == "machine" and not spare_nodes:
+        raise ValueError("--fault-kind machine loses a machine for good: give "
+                         "--spare-nodes 1 for one to take its place")
     faults = cfg.fault_at is not None or cfg.fault_every is not None
     if faults and cfg.fault_node is None and cfg.fault_rank >= world:
         ranks = f"--nproc {nproc}" + (f" x --nodes {nodes}" if nodes > 1 else "")
@@ -134,7 +144,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     cfg = config_from_args(args)
     try:
-        check_train_config(cfg, args.nproc, args.nodes)
+        check_train_config(cfg, args.nproc, args.nodes, args.spare_nodes)
     except RunComplete as e:
         print(f"moc train: {e}", file=sys.stderr)
         return 0
@@ -147,7 +157,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from moc.train.nodes import run_nodes
 
         return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
-                         module=worker_module(cfg),
+                         module=worker_module(cfg), spare_nodes=args.spare_nodes,
                          gpus=args.nproc if cfg.device == "cuda" else 0,
                          shutdown_s=shutdown_s)
     # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they

@@ -7,7 +7,7 @@ import argparse
 from moc.train.config import CKPT_MODES, PRESETS, TrainConfig
 
 # Options only the launcher understands; the workers never see them.
-LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts")
+LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts", "spare_nodes")
 
 
 def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -20,6 +20,10 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                        help="ranks to start per node via torchrun (default 2)")
         p.add_argument("--max-restarts", type=int, default=0,
                        help="times torchrun restarts the job after a fault (default 0)")
+        p.add_argument("--spare-nodes", type=int, default=0,
+                       help="in-job, with --nodes: standby machines (a torchrun agent "
+                            "each, its hosts holding a training process ready) that take "
+                            "over every rank of a machine lost (default 0)")
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
                    help="model and schedule preset (default tiny)")
     p.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
@@ -85,9 +89,12 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "of this many steps (needs --max-restarts of at least steps / F)")
     p.add_argument("--fault-rank", type=int, default=0,
                    help="the rank --fault-at / --fault-every kill (default 0)")
-    p.add_argument("--fault-kind", choices=["process", "node", "persist", "hang"],
+    p.add_argument("--fault-kind", choices=["process", "node", "machine", "persist", "hang"],
                    default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
+                        "machine (with --fault-node and --spare-nodes): SIGKILL every "
+                        "process of the simulated machine, its agent and hosts too, and "
+                        "wipe its memory; "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode "
                         "moc); hang: SIGSTOP the rank (--recovery in-job)")
     p.add_argument("--recovery", choices=["restart", "in-job"], default="restart",

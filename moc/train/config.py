@@ -60,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 DCP_MODES = ("dcp-sync", "dcp-async")
 """The PyTorch DCP baselines (`moc.baselines.dcp`, imported only when one is chosen)."""
 CKPT_MODES = ("none", "blocking", "pec", "moc", *DCP_MODES)
-FAULT_KINDS = ("process", "node", "persist", "hang")
+FAULT_KINDS = ("process", "node", "machine", "persist", "hang")
 RECOVERIES = ("restart", "in-job")
 DEVICES = ("cpu", "cuda")
 
@@ -219,10 +219,16 @@ class TrainConfig:
                              f"--ckpt-mode moc and --fault-rank 0, got --ckpt-mode "
                              f"{self.ckpt_mode} --fault-rank {self.fault_rank}")
 
-        if self.fault_node is not None and (self.fault_kind != "node" or self.fault_node < 0):
+        if self.fault_node is not None and (self.fault_kind not in ("node", "machine")
+                                            or self.fault_node < 0):
             raise ValueError(f"--fault-node {self.fault_node} loses a whole node: it needs "
-                             f"--fault-kind node (got {self.fault_kind}) and a node index "
-                             ">= 0")
+                             f"--fault-kind node or machine (got {self.fault_kind}) and a "
+                             "node index >= 0")
+        if self.fault_kind == "machine" and (self.fault_node is None
+                                             or self.recovery != "in-job"):
+            raise ValueError("--fault-kind machine loses a simulated machine, agent and "
+                             "hosts included: it needs --fault-node J and --recovery in-job "
+                             "(with --spare-nodes to take its place)")
         if not self.grace_s > 0:
             raise ValueError(f"--grace-s must be > 0 seconds, got {self.grace_s}")
         if self.recovery not in RECOVERIES:

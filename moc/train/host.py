@@ -52,6 +52,16 @@ from moc.train.injob import (
     gen_key,
     next_generation,
 )
+from moc.train.machines import (
+    JOB_FINISHED,
+    LOST_S,
+    Identity,
+    Lease,
+    LeaseWatch,
+    claim,
+    lease_gen,
+    training_world,
+)
 from moc.train.nodes import die_with_parent
 
 HANG_FACTOR = 10.0
@@ -151,27 +161,43 @@ class RankHost:
         self.refill_due = False
         """A spare was used: start the next once the newcomer trains (not before: its
         start-up would slow the restore and the first steps, on the same cores)."""
-        self.rank = int(os.environ["RANK"])
+        world, per_node = training_world()
+        slot = int(os.environ["RANK"])  # torchrun's, in a world with the spare nodes
+        self.identity = Identity(slot, world, per_node) if slot < world else None
+        """The rank this host trains (None: a spare node's host, until it adopts one)."""
         self.spares = spares
         self.hang_timeout_s = hang_timeout_s
         self.max_replacements = max_replacements
         self.replacements = 0
-        self.round_store, self.store = _serve_store()
+        self.round_store, self.job_store, self.store = _serve_store()
         """The round's store (served here on rank 0 across nodes: kept while the host
-        lives) and the job's, in its namespace."""
+        lives), the job's, and the job's in this round's namespace."""
+        self.lease = Lease(self.store, slot) if self.identity is not None else None
         self.standby: Child | None = None
         self.signal: int | None = None
         self.child: Child | None = None
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._forward)
 
+    @property
+    def rank(self) -> int | str:
+        return self.identity.rank if self.identity is not None else "spare"
+
     def run(self) -> int:
-        self.child = self._start(gen=None)
-        self._refill()
+        if self.identity is None:  # a spare node's host: until it adopts a lost rank
+            adopted = self._stand_by()
+            if isinstance(adopted, int):
+                return adopted
+            self.child = adopted
+        else:
+            self.child = self._start(gen=None)
+            self._refill()
         while True:
             why, code = self._watch(self.child)
             if why is None:
                 self._end_standby()
+                if code == 0 and self.rank == 0:
+                    self.job_store.set(JOB_FINISHED, "1")  # the spare nodes may go
                 return code
             if self.signal is not None:  # stopping anyway: no replacement
                 self._end_standby()
@@ -191,6 +217,8 @@ class RankHost:
         else (why it is a fault, its status)."""
         while True:
             child.read()
+            assert self.lease is not None
+            self.lease.renew(child.gen)
             code = child.process.poll()
             if code is not None:
                 child.read()
@@ -225,6 +253,50 @@ class RankHost:
         self.refill_due = bool(self.spares)
         return child
 
+    # -- a spare node's host -------------------------------------------------------------
+
+    def _stand_by(self) -> Child | int:
+        """A spare node's host: a training process imported and waiting, until this
+        node adopts a lost node (`moc.train.machines`); the woken process, or the exit
+        status when the job finished (0) or a signal came first."""
+        world, per_node = training_world()
+        spare = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's: this machine
+        leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        watch = LeaseWatch(self.store, world, per_node)
+        self.standby = self._start(None, standby=True)
+        while self.signal is None and not self.job_store.check([JOB_FINISHED]):
+            if leader and (lost := watch.lost_node()) is not None:
+                node, leases = lost
+                watch.forget(node)
+                if claim(self.store, node, leases, spare):
+                    self.store.set(f"adopt/{spare}", json.dumps(
+                        {"node": node, "leases": leases}))
+            if self.store.check([f"adopt/{spare}"]):
+                return self._adopt(json.loads(self.store.get(f"adopt/{spare}")), per_node,
+                                   world)
+            time.sleep(POLL_S * 2.5)
+        self._end_standby()
+        return 128 + self.signal if self.signal is not None else 0
+
+    def _adopt(self, word: dict[str, Any], per_node: int, world: int) -> Child:
+        """Take the rank of this host's local rank on the lost node: move the job past
+        the generation its process was in, and wake the waiting process as that rank."""
+        node = word["node"]
+        rank = node * per_node + int(os.environ.get("LOCAL_RANK", "0"))
+        lost = word["leases"][str(rank)]
+        self.identity = Identity(rank, world, per_node)
+        self.lease = Lease(self.store, rank)
+        gen = next_generation(self.store, lease_gen(lost))
+        why = f"node {node} lost (no lease renewed for {LOST_S:g}s)"
+        self.store.set(f"{gen_key(gen)}/replaced/{rank}", why)
+        child, self.standby = self.standby, None
+        assert child is not None
+        self._wake(child, gen, self.identity.env())
+        self._say(f"{why}; adopted by spare node {os.environ.get('GROUP_RANK')}, process "
+                  f"{child.process.pid} in generation {gen}")
+        self.refill_due = bool(self.spares)
+        return child
+
     # -- processes -----------------------------------------------------------------------
 
     def _start(self, gen: int | None, standby: bool = False) -> Child:
@@ -237,6 +309,8 @@ class RankHost:
             env[ENV_STANDBY] = "1"
         if self.prestart:
             env[ENV_PRESTART] = "1"
+        if self.identity is not None:
+            env.update(self.identity.env())
         process = subprocess.Popen(
             [sys.executable, "-c", BOOT, prestart.__file__, *self.argv], env=env,
             pass_fds=(write,),
@@ -250,9 +324,12 @@ class RankHost:
         if self.spares and self.standby is None:
             self.standby = self._start(None, standby=True)
 
-    def _wake(self, child: Child, gen: int) -> None:
+    def _wake(self, child: Child, gen: int, env: dict[str, str] | None = None) -> None:
+        """Start a waiting process in generation `gen`, as the rank `env` says (a spare
+        node's, which waited as none)."""
         assert child.process.stdin is not None
-        child.process.stdin.write(json.dumps({"gen": gen}).encode() + b"\n")
+        word = {"gen": gen, "env": env or {}}
+        child.process.stdin.write(json.dumps(word).encode() + b"\n")
         child.process.stdin.close()
         child.started = child.progress = time.monotonic()
         child.joined = gen
@@ -310,7 +387,7 @@ def _serve_store() -> Any:
         is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     os.environ[ENV_NS] = agree_namespace(round_store, rank, agent)
     store = round_store if not os.environ.get(ENV_STORE) else connect()
-    return round_store, dist.PrefixStore(namespace(), store)
+    return round_store, store, dist.PrefixStore(namespace(), store)
 
 
 def agree_namespace(round_store: Any, rank: int, agent: bool) -> str:

@@ -331,4 +331,5 @@ def standby_wait() -> dict[str, Any]:
         os._exit(0)
     word = json.loads(line)
     os.environ[ENV_GEN] = str(word["gen"])
+    os.environ.update(word.get("env", {}))  # a spare node's: the rank it now is
     return word

@@ -39,6 +39,7 @@ from moc.train.engines import agree_on_placement, initial_model, make_engine
 from moc.train.evaluate import mean_over_ranks, validation_loss
 from moc.train.injob import ENV_PRESTART, Membership, lost_peer
 from moc.train.injob import enabled as in_job
+from moc.train.machines import lose_machine
 from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
 from moc.train.report import RunResult, report_checkpoint, summary
 
@@ -94,9 +95,11 @@ def maybe_inject_fault(cfg: TrainConfig, step: int, rank: int, metrics: MetricsW
             checkpointer.flush()
         if node_rank() == cfg.fault_node:
             if os.environ.get("LOCAL_RANK", "0") == "0":
-                _announce_fault(cfg, step, rank, f"losing node {cfg.fault_node} (its persist "
-                                "process and ranks SIGKILLed, its shared memory wiped)",
-                                progress)
+                _announce_fault(cfg, step, rank, (
+                    f"losing machine {cfg.fault_node} (every process of it SIGKILLed, its "
+                    "agent and hosts too, its memory wiped)" if cfg.fault_kind == "machine"
+                    else f"losing node {cfg.fault_node} (its persist process and ranks "
+                    "SIGKILLed, its shared memory wiped)"), progress)
             lose_node(cfg, metrics, checkpointer)
         return
     metrics.emit("fault", step=step, rank=cfg.fault_rank, kind=cfg.fault_kind)
@@ -149,6 +152,8 @@ def lose_node(cfg: TrainConfig, metrics: MetricsWriter, checkpointer: Any) -> No
     metrics.close()
     if checkpointer is not None:
         checkpointer.drop_node_memory()
+    if cfg.fault_kind == "machine":  # the whole simulated machine, its memory with it
+        lose_machine()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

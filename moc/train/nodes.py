@@ -33,6 +33,9 @@ from pathlib import Path
 
 from moc.checkpoint.twolevel.jobdir import record_owner
 from moc.train.agent import TORCHRUN_SHUTDOWN_S
+from moc.train.machines import ENV_NODES, JOB_FINISHED
+
+ENV_STORE = "MOC_JOB_STORE"  # moc.train.injob.ENV_STORE (that module imports torch)
 
 GRACE_S = 30.0
 """After one agent fails, how long the others get to notice (their workers lose a peer
@@ -100,14 +103,16 @@ def die_with_parent() -> Callable[[], None] | None:
 
 
 def agent_argv(nodes: int, nproc: int, max_restarts: int, endpoint: str, run_id: str,
-               worker: list[str], shutdown_s: int | None = None, module: str = "moc.train"
-               ) -> list[str]:
+               worker: list[str], shutdown_s: int | None = None, module: str = "moc.train",
+               served: bool = False) -> list[str]:
     """The torchrun command line of one simulated node (the same for every node: c10d
     gives each its node rank), run by `moc.train.agent` (torchrun, ending in one line).
     `shutdown_s`: how long it gives its workers, once it forwarded a signal to them,
     before it kills them (`--shutdown-timeout`); None: torchrun's own
     TORCHRUN_SHUTDOWN_S, and no option (torch before 2.12 has none)."""
     shutdown = [] if shutdown_s is None else ["--shutdown-timeout", str(shutdown_s)]
+    if served:  # the launcher serves the rendezvous' store: no agent takes it down
+        shutdown += ["--rdzv-conf", "is_host=false"]
     return [sys.executable, "-m", "moc.train.agent", "--nnodes", str(nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
@@ -128,8 +133,8 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
-              gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train"
-              ) -> int:
+              gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train",
+              spare_nodes: int = 0) -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -143,7 +148,16 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     number. A second signal kills everything at once. The agents run in sessions of
     their own, so a terminal's Ctrl-C reaches them through the launcher alone (twice
     would read as "again: at once"), and die with the launcher however it dies
-    (`die_with_parent`)."""
+    (`die_with_parent`).
+
+    In-job recovery (`module` moc.train.host): the launcher serves the rendezvous' store
+    and the job's (MOC_JOB_STORE), as a cluster's rendezvous endpoint would, so that a
+    lost machine takes neither with it; `spare_nodes` more agents start, whose hosts
+    stand by to adopt a lost machine's ranks (`moc.train.machines`). An agent SIGKILLed
+    then is a machine lost, up to `spare_nodes` of them: no failure while a spare takes
+    its place, and the survivors, whose exit barrier waits for the lost agent for
+    torch's 300 s, are ended once the job's store says the training finished."""
+    in_job = module == "moc.train.host"
     try:
         root = sim_root()
     except OSError as e:
@@ -151,21 +165,27 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
               f"{os.environ.get('MOC_SHM_ROOT') or '/dev/shm'}: {e.strerror or e}; free "
               "some, or point MOC_SHM_ROOT at a larger tmpfs", file=sys.stderr)
         return 1
-    endpoint = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
     run_id = f"moc-{uuid.uuid4().hex[:12]}"
+    store = serve_store(port) if in_job else None
     agents: list[subprocess.Popen] = []
     signals = _Signals()
     previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for node in range(nodes):
+        for node in range(nodes + spare_nodes):
             (root / f"node-{node}").mkdir(mode=0o700)
+            env = node_env(root, node, nproc, gpus)
+            if in_job:
+                env[ENV_STORE], env[ENV_NODES] = endpoint, str(nodes)
             agents.append(subprocess.Popen(
-                agent_argv(nodes, nproc, max_restarts, endpoint, run_id, worker, shutdown_s,
-                           module),
-                env=node_env(root, node, nproc, gpus), preexec_fn=die_with_parent(),
-                start_new_session=True))
-        codes = _wait(agents, signals, (TORCHRUN_SHUTDOWN_S if shutdown_s is None
-                                        else shutdown_s) + TERMINATE_S)
+                agent_argv(nodes + spare_nodes, nproc, max_restarts, endpoint, run_id,
+                           worker, shutdown_s, module, served=store is not None),
+                env=env, preexec_fn=die_with_parent(), start_new_session=True))
+        waited = _Wait(agents, signals, (TORCHRUN_SHUTDOWN_S if shutdown_s is None
+                                         else shutdown_s) + TERMINATE_S,
+                       spare_nodes, store)
+        codes = waited.run()
     finally:
         _terminate(agents)  # a no-op once all have exited
         shutil.rmtree(root, ignore_errors=True)
@@ -176,7 +196,8 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
             print(f"moc train: {signals.first.name} again: every simulated node killed",
                   file=sys.stderr)
         return 128 + int(signals.first)
-    failed = [f"node {i}: exit {c}" for i, c in enumerate(codes) if c != 0]
+    failed = [f"node {i}: exit {c}" for i, c in enumerate(codes)
+              if c != 0 and i not in waited.lost and not waited.finished]
     if failed:
         print(f"moc train: error: simulated nodes failed ({'; '.join(failed)})",
               file=sys.stderr)
@@ -204,31 +225,79 @@ class _Signals:
             self.forced = True
 
 
-def _wait(agents: list[subprocess.Popen], signals: _Signals, stop_s: float) -> list[int]:
+FINISH_GRACE_S = 10.0
+"""After the job's store says training finished, how long agents still running get to
+end by themselves before they are terminated (with a machine lost, torchrun's exit
+barrier would hold them 300 s for its agent)."""
+
+
+class _Wait:
     """Every agent's exit status; after the first failure the rest have GRACE_S. A
     signal of the launcher is forwarded to every agent once; they then have `stop_s`
-    (a second signal: none) before they are killed."""
-    deadline = stop_by = None
-    forwarded = False
-    while any(a.poll() is None for a in agents):
-        now = time.monotonic()
-        if signals.first is not None and not forwarded:
-            for a in agents:
-                if a.poll() is None:
-                    a.send_signal(signals.first)
-            forwarded, stop_by = True, now + stop_s
-        if signals.forced or (stop_by is not None and now > stop_by):
-            for a in agents:
-                if a.poll() is None:
-                    a.kill()
-            break
-        if deadline is None and any(a.poll() not in (None, 0) for a in agents):
-            deadline = now + GRACE_S
-        if deadline is not None and now > deadline and stop_by is None:
-            _terminate(agents)
-            break
-        time.sleep(POLL_S)
-    return [a.wait() for a in agents]
+    (a second signal: none) before they are killed. With `spare_nodes`, an agent
+    SIGKILLed is a machine lost (up to `spare_nodes`), not a failure."""
+
+    def __init__(self, agents: list[subprocess.Popen], signals: _Signals, stop_s: float,
+                 spare_nodes: int = 0, store: object = None) -> None:
+        self.agents, self.signals, self.stop_s = agents, signals, stop_s
+        self.spare_nodes, self.store = spare_nodes, store
+        self.lost: set[int] = set()
+        self.finished = False
+
+    def run(self) -> list[int]:
+        agents, signals = self.agents, self.signals
+        deadline = stop_by = finish_by = None
+        forwarded = False
+        while any(a.poll() is None for a in agents):
+            now = time.monotonic()
+            if signals.first is not None and not forwarded:
+                for a in agents:
+                    if a.poll() is None:
+                        a.send_signal(signals.first)
+                forwarded, stop_by = True, now + self.stop_s
+            if signals.forced or (stop_by is not None and now > stop_by):
+                for a in agents:
+                    if a.poll() is None:
+                        a.kill()
+                break
+            self._note_lost()
+            if finish_by is None and self._training_finished():
+                self.finished, finish_by = True, now + FINISH_GRACE_S
+            if finish_by is not None and now > finish_by:
+                _terminate(agents)
+                break
+            failed = [i for i, a in enumerate(agents)
+                      if a.poll() not in (None, 0) and i not in self.lost]
+            if deadline is None and failed and not self.finished:
+                deadline = now + GRACE_S
+            if deadline is not None and now > deadline and stop_by is None:
+                _terminate(agents)
+                break
+            time.sleep(POLL_S)
+        return [a.wait() for a in agents]
+
+    def _note_lost(self) -> None:
+        for i, a in enumerate(self.agents):
+            if (a.poll() == -signal.SIGKILL and i not in self.lost
+                    and len(self.lost) < self.spare_nodes):
+                self.lost.add(i)
+                print(f"moc train: node {i} lost (its agent SIGKILLed): a spare node "
+                      "takes its ranks", file=sys.stderr, flush=True)
+
+    def _training_finished(self) -> bool:
+        return bool(self.lost) and self.store is not None and self.store.check(
+            [JOB_FINISHED])
+
+
+def serve_store(port: int) -> object:
+    """The rendezvous' and the job's store, served by this process on 127.0.0.1:`port`
+    for as long as it lives (the agents are its clients)."""
+    import torch.distributed as dist
+
+    from moc.topology import COLLECTIVE_TIMEOUT
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=COLLECTIVE_TIMEOUT)
 
 
 def _terminate(agents: list[subprocess.Popen]) -> None:
