@@ -98,6 +98,17 @@ class CheckpointResult:
     """Where the checkpoint's time went (two-level): {"snapshot": this rank's snapshot
     thread, "persist": the persist process (rank 0: its node's files and the commit)},
     each {phase: [wall s, CPU s, page faults]} (`moc.checkpoint.phases`)."""
+    persists_skipped_in_row: int = 0
+    """Checkpoints in a row not persisted, this one included (two-level)."""
+    storage_step: int | None = None
+    """The newest step committed on storage when this checkpoint was planned (two-level;
+    None: none yet, or an engine that does not say)."""
+    storage_behind_steps: int | None = None
+    """This checkpoint's step minus `storage_step`: the steps a crash would lose."""
+    storage_behind_checkpoints: int | None = None
+    """Checkpoints newer than `storage_step`, this one included (two-level)."""
+    storage_behind_s: float | None = None
+    """Seconds since the oldest checkpoint newer than `storage_step` was planned."""
 
     @property
     def cpu_s(self) -> dict[str, float]:
@@ -138,6 +149,11 @@ class CheckpointResult:
                 "error": self.error,
                 **({"copy_Bps": self.copy_Bps, "cpu_s": self.cpu_s, "phases": self.phases}
                    if self.phases else {}),
+                "persists_skipped_in_row": self.persists_skipped_in_row,
+                "storage_step": self.storage_step,
+                "storage_behind_steps": self.storage_behind_steps,
+                "storage_behind_checkpoints": self.storage_behind_checkpoints,
+                "storage_behind_s": self.storage_behind_s,
                 **({"replica_bytes": self.replica_bytes, "replica_s": self.replica_s,
                     "replica_error": self.replica_error}
                    if self.replica_bytes is not None or self.replica_error else {})}

@@ -18,6 +18,8 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     sizing           K_snapshot: how many experts a snapshot holds, which, and `auto`
     protocol         the typed messages between the ranks and the persist process
     persist          the persist process (server) and a rank's end of it (client)
+    watch            a leader's watch over its persist process: stopped or hung, killed
+    lag              how far storage is behind memory, reported with every checkpoint
     prestart         persist processes started ahead of need (stdlib only)
     commit           the commit across nodes: begin, parts, records on storage
     nodes            which ranks share a node; each node's leader; its memory's root

@@ -38,7 +38,6 @@ from moc.checkpoint.twolevel.jobdir import claim_job
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.persist import PersistClient
 from moc.checkpoint.twolevel.protocol import (
-    PERSIST_GONE,
     PERSIST_TIMEOUT_S,
     Abandon,
     Done,
@@ -46,6 +45,7 @@ from moc.checkpoint.twolevel.protocol import (
     Persist,
     Ready,
 )
+from moc.checkpoint.twolevel.watch import PersistWatch
 from moc.topology import ParallelGroups
 
 
@@ -79,6 +79,7 @@ class PersistExecutor:
         self._requests = 0  # persist requests so far (the same count on every rank)
         self._futures: dict[int, Future[Done]] = {}
         self._unshared: list[Done] = []  # rank 0: outcomes not yet shared
+        self._generations: list[int] | None = None  # every node's process, as last shared
 
     @classmethod
     def start(cls, job: str, storage: Storage, run_id: str | None, groups: ParallelGroups,
@@ -100,7 +101,12 @@ class PersistExecutor:
                         "checkpoint directory must be storage every node sees (a shared file "
                         "system or an object store URL)")
                 claim_job(job)
-                client = PersistClient(job, storage, groups.rank, leader=True)
+                # Node 0's process answers once every node's part is written: across
+                # nodes it gets twice as long, so that another node's hung process is
+                # found and replaced by its own leader first.
+                patience = 2.0 if groups.rank == 0 and nodes.n_nodes > 1 else 1.0
+                client = PersistClient(job, storage, groups.rank, leader=True,
+                                       watch=PersistWatch(patience))
             except CheckpointError as e:
                 error = f"node {nodes.node(groups.rank)}: {e}" if nodes.n_nodes > 1 else str(e)
         errors = [e for e in dist.all_gather(error) if e is not None]
@@ -198,17 +204,19 @@ class PersistExecutor:
             self._resolve(done)
         return received
 
-    def revive(self, in_flight: int | None) -> int | None:
+    def revive(self, in_flight: int | None, block: bool = False) -> int | None:
         """A node's leader, before an exchange: notice a dead persist process even when
-        nothing is in flight (an idle one can die too) and start a new one (bounded:
-        `PersistClient.restart`). The step it took with it (rank 0), reported failed;
-        another node's leader reports its lost part on storage (`watch_part`)."""
-        if not self.client.leader or self.client.check():
+        nothing is in flight (an idle one can die too), kill one its watch finds stopped
+        or hung (`block`: training waits for it anyway, so a stopped one gets STOPPED_S
+        to go on), and start a new one (bounded: `PersistClient.restart`). The step it
+        took with it (rank 0), reported failed; another node's leader reports its lost
+        part on storage (`watch_part`)."""
+        if not self.client.leader or self.client.check(block):
             return None
         lost = None
         if in_flight is not None and self.rank == 0:
             lost = in_flight
-            done = Done(in_flight, False, PERSIST_GONE)
+            done = Done(in_flight, False, self.client.lost)
             self._unshared.append(done)
             self._resolve(done)
         self.client.restart()
@@ -241,6 +249,12 @@ class PersistExecutor:
         generation = int(node_info[self.node]) - 1
         if not self.client.leader and generation != self.client.generation:
             self.client.reconnect(generation)
+        generations = [int(g) for g in node_info[:self.n_nodes]]
+        if self.rank == 0 and self._generations not in (None, generations):
+            # A persist process was replaced: what it was writing is an orphan `.tmp`
+            # directory, removed as at start (`store.tidy`), by the next persist.
+            self.tidy = self.tidy or {}
+        self._generations = generations
         for done in outcomes:
             if self.rank != 0:
                 self._resolve(done)

@@ -8,7 +8,8 @@ exchanges with the ranks, and why they cannot carry code, are in `twolevel.proto
                                    secret, on stdin (`twolevel.prestart` starts one ahead)
     PersistClient                  a training rank's end: the process (rank 0 starts it,
                                    and restarts it when it dies), the connection (every
-                                   rank reconnects to a restarted one), liveness, timeouts
+                                   rank reconnects to a restarted one), liveness (a stopped
+                                   or hung process is killed: `twolevel.watch`)
 
 For a persist request of step s the process waits until every rank of the node has
 reported its snapshot of s complete, writes each rank's file straight from the shared
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
@@ -73,6 +75,7 @@ from moc.checkpoint.twolevel.protocol import (
     MAX_MESSAGE_BYTES,
     MAX_RESTARTS,
     PERSIST_GONE,
+    PERSIST_KILLED,
     PERSIST_TIMEOUT_S,
     SECRET_BYTES,
     Abandon,
@@ -84,7 +87,9 @@ from moc.checkpoint.twolevel.protocol import (
     Stop,
 )
 from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.watch import LOOK_S, PersistWatch, process_state
 
+log = logging.getLogger(__name__)
 POLL_S = 0.05
 """How often the persist process, idle, looks for a dead parent (a message wakes it at
 once). At 5 ms the idle loop alone cost 0.02 CPU seconds per second (issue 15)."""
@@ -96,7 +101,8 @@ CONNECT_TIMEOUT_S = 60.0
 second: a fresh interpreter importing torch). Rank 0 stops waiting as soon as the
 process exits."""
 STOP_TIMEOUT_S = 60.0
-"""How long close() lets the persist process finish and exit before killing it."""
+"""How long close() lets the persist process finish and exit before killing it (a
+stopped one is killed at once: it can neither finish nor exit)."""
 _MESSAGES = (Hello, Ready, Failed, Persist, Abandon, Stop, Done)
 
 
@@ -140,13 +146,17 @@ class PersistClient:
     first); a rank other than 0 connects to the one of the generation it is given (None:
     whichever rank 0 recorded last) and `reconnect`s when rank 0 shares a newer one.
 
+    A leader watches its process (`watch`, `twolevel.watch`): one found stopped or hung
+    while it is polled, waited for or checked is killed, and `restart` replaces it.
+
     Owners: `send` may be called from the caller's and the snapshot thread (a lock keeps
     messages whole); `receive`, `alive`, `process`, `check` and `restart` belong to rank
     0's thread that holds the engine's plan lock, `reconnect` to a plan.
     """
 
     def __init__(self, job: str, storage: Storage, rank: int,
-                 generation: int | None = None, leader: bool | None = None) -> None:
+                 generation: int | None = None, leader: bool | None = None,
+                 watch: PersistWatch | None = None) -> None:
         self.job, self.storage, self.rank = job, storage, rank
         self.leader = rank == 0 if leader is None else leader
         """Whether this rank runs its node's persist process (its local rank 0)."""
@@ -157,6 +167,10 @@ class PersistClient:
         self.generation = 0 if generation is None else generation
         self.restarts = 0
         """Rank 0: persist processes started after the first (at most MAX_RESTARTS)."""
+        self.watch = watch or PersistWatch()
+        """A leader's: what it has seen of its process (stopped? a persist unanswered?)."""
+        self.lost = PERSIST_GONE
+        """The outcome of a persist lost with the process: why it is gone."""
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._spawner: ThreadPoolExecutor | None = None
@@ -204,28 +218,39 @@ class PersistClient:
 
     def send(self, msg: object) -> None:
         """Send one message; a dead persist process is not an error here (rank 0
-        notices it in `receive` or `check`, and every rank learns it from rank 0)."""
+        notices it in `receive` or `check`, and every rank learns it from rank 0). A
+        Persist starts the watch's clock."""
         data = codec.encode(msg)
+        if isinstance(msg, Persist) and self.leader:
+            self.watch.sent(msg.step)
         with self._lock, contextlib.suppress(OSError):
             if self._conn is not None:
                 self._conn.send_bytes(data)
 
     def receive(self, step: int, block: bool) -> list[Done]:
-        """Rank 0: the results that have arrived while the persist of `step` is in
-        flight; with `block`, waiting (PERSIST_TIMEOUT_S at most) for that one. A closed
-        connection or a timeout ends the persist as failed (PERSIST_GONE), and a hung
-        process is killed: it must never commit late."""
+        """A leader: the results that have arrived while the persist of `step` is in
+        flight; with `block`, waiting for that one (sent by `send`, whose clock the watch
+        keeps: the hang limit bounds the wait), looking at the process every LOOK_S.
+        A closed connection, or a process the watch finds stopped or hung (killed then:
+        it must never commit late), ends the persist as failed (`lost`)."""
         out: list[Done] = []
         conn = self._conn
-        while conn is not None and (block or conn.poll()):
+        while conn is not None:
             try:
-                if not conn.poll(PERSIST_TIMEOUT_S):  # blocks until a result
-                    raise TimeoutError
+                if not conn.poll(LOOK_S if block else 0):
+                    why = self._look()
+                    if why is not None:
+                        out.append(self._gone(step, why))
+                    if why is not None or not block:
+                        break
+                    continue
                 msg = codec.decode(conn.recv_bytes(MAX_DONE_BYTES))
                 if not isinstance(msg, Done):
                     raise codec.CodecError(f"expected a Done, got {type(msg).__name__}")
-            except (EOFError, OSError, codec.CodecError):  # TimeoutError is an OSError
+            except (EOFError, OSError, codec.CodecError):
                 msg = self._gone(step)
+            else:
+                self.watch.answered(msg.step, msg.ok)
             out.append(msg)
             if msg.step == step:
                 break
@@ -233,24 +258,58 @@ class PersistClient:
             out.append(self._gone(step))
         return out
 
-    def _gone(self, step: int) -> Done:
-        self.alive = False
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-        return Done(step, False, PERSIST_GONE)
+    def _look(self) -> str | None:
+        """The watch's verdict on the running process (None: none runs, or it is fine)."""
+        if not self.alive or not self._running():
+            return None
+        assert self.process is not None
+        return self.watch.verdict(self.process.pid)
 
-    def check(self) -> bool:
-        """Rank 0: whether the persist process is alive, noticing an exit even when no
-        persist is in flight (an idle process can die too). Never blocks."""
-        if self.alive and self.process is not None and self.process.poll() is not None:
-            self.alive = False
+    def _gone(self, step: int, why: str | None = None) -> Done:
+        """The process is gone, or killed now for `why`: the persist of `step` with it."""
+        self._kill(why)
+        return Done(step, False, self.lost)
+
+    def _kill(self, why: str | None) -> None:
+        """Rank 0's view: the process is lost (killed for `why`, when the watch says so:
+        a stopped one never answers, a hung one must never commit late)."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.lost = PERSIST_GONE if why is None else PERSIST_KILLED.format(why)
+        self.watch.replaced()  # nothing more of it will be answered or seen
+        if self.process is not None:
+            pid = self.process.pid
+            self.process.kill()
+            code = self.process.wait()
+            if why is not None:
+                log.warning("the persist process (pid %d) was %s: killed; a new one takes "
+                            "the next persist", pid, why)
+            else:
+                log.warning("the persist process (pid %d) is gone (exit code %s); a new "
+                            "one takes the next persist", pid, code)
+
+    def check(self, block: bool = False) -> bool:
+        """A leader: whether the persist process is alive, noticing an exit even when no
+        persist is in flight (an idle process can die too), and killing one the watch
+        finds stopped or hung. `block` (training waits for the process anyway): a
+        stopped process is given STOPPED_S to go on, no longer."""
+        why = self._look()
+        while why is None and block and self.watch.stopped and self._running():
+            time.sleep(LOOK_S)
+            why = self._look()
+        if why is not None or not self._running():
+            self._kill(why)
         return self.alive
+
+    def _running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def restart(self) -> bool:
         """Rank 0: start a new persist process (generation + 1, a new secret) after the
-        last one died; False when MAX_RESTARTS are used up or it would not start. The
-        other ranks `reconnect` when they learn the generation (at the next plan)."""
+        last one died or was killed; False when MAX_RESTARTS are used up or it would
+        not start. The other ranks `reconnect` when they learn the generation (at
+        the next plan)."""
         if self.alive:
             return True
         while self.restarts < MAX_RESTARTS:
@@ -267,6 +326,7 @@ class PersistClient:
                       file=sys.stderr)
                 continue
             self.alive = True
+            self.watch.replaced()
             return True
         return False
 
@@ -295,15 +355,24 @@ class PersistClient:
             if self.leader and self.process is not None:
                 if not at_once:
                     self.send(Stop())
-                try:
-                    self.process.wait(timeout=0 if at_once else STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+                _wait_or_kill(self.process, 0 if at_once else STOP_TIMEOUT_S)
         finally:
             self._close()
             if self._spawner is not None:
                 self._spawner.shutdown(wait=False)
+
+
+def _wait_or_kill(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait for `process` to exit, `timeout_s` at most, then kill it; a stopped process
+    (SIGSTOP) is killed at once: it can neither finish nor exit."""
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None:
+        if time.monotonic() >= deadline or process_state(process.pid) == "T":
+            process.kill()
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=min(LOOK_S, max(0.0, deadline - time.monotonic())))
+    process.wait()
 
 
 def _connect(jdir: Path, secret: Callable[[], bytes | None],

@@ -15,8 +15,10 @@ that failed or was lost, a dead persist process, a save rejected on some rank, a
 channel that broke, an error of rank 0's retention. Each is then applied on every rank
 alike (`EngineState.settle`, `.fail`), and raised on the caller's thread by the engine.
 
-A dead persist process: rank 0 notices it before the exchange, reports the persist it
-lost as failed and starts a new one (`PersistExecutor.revive`); the exchange carries the
+A dead persist process (or one its leader's watch found stopped or hung, and killed:
+`twolevel.watch`): rank 0 notices it before the exchange, reports the persist it lost as
+failed and starts a new one (`PersistExecutor.revive`); this plan persists its checkpoint
+on the new one, so storage is current again at its commit; the exchange carries the
 new process's generation, and every other rank reconnects to it right after, before this
 plan's snapshot reports Ready. Nothing of the lost step was committed, so the chain goes
 on from the last committed manifest: the chain's rotation only advances on a commit, and
@@ -40,6 +42,7 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, step_dir
 from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor, PersistRequest
+from moc.checkpoint.twolevel.lag import StorageLag
 from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Done
 from moc.checkpoint.twolevel.replica import ReplicaChannel
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
@@ -70,6 +73,8 @@ class SnapshotPlanner:
         broke on any rank is broken on every rank at the next plan, so that all stop
         sending replicas at the same round, none waits for a peer that stopped."""
         self.lock = threading.Lock()
+        self.lag = StorageLag(groups.rank)
+        """How far storage is behind, reported with every checkpoint (`twolevel.lag`)."""
 
     # -- persist outcomes ----------------------------------------------------------------
 
@@ -99,7 +104,7 @@ class SnapshotPlanner:
         books, persist = self.books, self.persist
         if persist.leader:
             self._receive(block)
-            if persist.revive(books.in_flight) is not None:
+            if persist.revive(books.in_flight, block) is not None:
                 books.persist_answered(books.in_flight)
             books.persist_liveness(persist.alive)
         share = (persist.take_unshared(), books.in_flight, books.choice, books.take_unshared())
@@ -182,6 +187,9 @@ class SnapshotPlanner:
             books.settle(step, PERSIST_GONE)
         elif final and not persist_now:
             books.settle(step, f"the persist of step {books.in_flight} did not finish")
+        manifest = books.chain.manifest
+        lag = self.lag.planned(step, persist_now, manifest.step if manifest else None,
+                               books.in_flight, books.persist_alive)
         state = self.state.flatten(rng, captured)
         plan = plan_snapshot(PlanInputs(
             step, final, persist_now, None if books.persist_alive else PERSIST_GONE, state,
@@ -203,7 +211,7 @@ class SnapshotPlanner:
             if persist_now:  # the chain goes on from the last commit
                 persist.failed(rank, step, error)
 
-        outcome = PlanOutcome(**{**plan.outcome.__dict__, "persist": future})
+        outcome = PlanOutcome(**{**plan.outcome.__dict__, "persist": future, "lag": lag})
         return SnapshotJob(plan.slot, plan.tensors, plan.meta, sizing=state, on_done=on_done,
                            on_error=on_error, outcome=outcome)
 

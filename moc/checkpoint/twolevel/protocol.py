@@ -46,11 +46,12 @@ one persist at a time, in the order of the Persist requests, and answers each wi
 Done. Ready and Failed messages of steps older than the one just finished are dropped.
 
 Liveness: the persist process exits, committing nothing more, when rank 0 (its parent) is
-gone; rank 0 reads a closed connection, an exited process, or no Done within
-PERSIST_TIMEOUT_S of a persist it must wait for, as the persist process being gone
-(`PERSIST_GONE`). Rank 0 then starts a new one (at most `MAX_RESTARTS` per job) with a
-new secret and generation, shares the generation with every rank at the next plan, and
-every rank reconnects before that plan's snapshot reports Ready.
+gone; rank 0 reads a closed connection or an exited process as the persist process being
+gone (`PERSIST_GONE`), and kills one its watch finds stopped or hung (`twolevel.watch`:
+no Done within the hang limit; `PERSIST_KILLED`). Rank 0 then starts a new one (at most
+`MAX_RESTARTS` per job) with a new secret and generation, shares the generation with
+every rank at the next plan, and every rank reconnects before that plan's snapshot
+reports Ready.
 """
 
 from __future__ import annotations
@@ -69,13 +70,18 @@ MAX_DONE_BYTES = MAX_MESSAGE_BYTES + (1 << 30)
 """The largest Done a leader accepts from its own persist process: a message and a
 manifest (at most `manifest.MAX_MANIFEST_BYTES`)."""
 MAX_RESTARTS = 3
-"""How many times rank 0 starts a new persist process after one died, per job: a crash
-of the process (a bug, an OOM kill) should not end durable checkpointing, but one that
-keeps dying is a fault to report (`close()` raises), not to retry forever."""
+"""How many times rank 0 starts a new persist process after one died or was killed (its
+watch found it stopped or hung), per job: a crash of the process (a bug, an OOM kill) or
+a stop should not end durable checkpointing, but one that keeps dying is a fault to
+report (`close()` raises), not to retry forever."""
 PERSIST_GONE = "the persist process exited; this checkpoint is kept in memory only"
+PERSIST_KILLED = ("the persist process was killed ({}); this checkpoint is kept in memory "
+                  "only, and a new process persists the next one")
+"""The outcome of the persist a leader's watch killed its process over (`twolevel.watch`)."""
 PERSIST_TIMEOUT_S = 600.0
-"""How long rank 0 waits for a persist that must finish (wait policy, flush, close)
-before declaring the persist process hung; longer than writing any sane checkpoint."""
+"""How long a persist may go unanswered before any was timed (`watch.PersistWatch.limit`),
+and how long a node's process waits for another node's records (`twolevel.commit`);
+longer than writing any sane checkpoint."""
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class InFlight:
     def result(self, mode: str) -> CheckpointResult:
         o, d = self.outcome, self.done
         assert o is not None
+        lag = o.lag
         replica = None
         if self.replica is not None:
             try:
@@ -90,7 +91,13 @@ class InFlight:
             bytes_per_rank=list(d.bytes_per_rank or []) if d is not None else [],
             error=(d.error if d is not None and not d.ok else None) or o.error,
             snapshot_s=self.snapshot_s, persist_s=d.seconds if d is not None else None,
-            persist_skipped=o.persist_skipped, k_snapshot=o.k_snapshot,
+            persist_skipped=o.persist_skipped,
+            persists_skipped_in_row=lag.skipped_in_row if lag is not None else 0,
+            storage_step=lag.storage_step if lag is not None else None,
+            storage_behind_steps=lag.behind_steps if lag is not None else None,
+            storage_behind_checkpoints=lag.behind_checkpoints if lag is not None else None,
+            storage_behind_s=lag.behind_s if lag is not None else None,
+            k_snapshot=o.k_snapshot,
             k_snapshot_chosen=o.k_snapshot_chosen,
             replica_bytes=replica.bytes_sent if replica is not None else None,
             replica_s=replica.seconds if replica is not None else None,

@@ -24,6 +24,7 @@ from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
+from moc.checkpoint.twolevel.lag import LagReport
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.protocol import Done
 from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
@@ -62,6 +63,8 @@ class PlanOutcome:
     k_snapshot_chosen: dict[str, Any] | None
     persist: Future[Done] | None = None
     """The outcome of its persist (None: not persisted)."""
+    lag: LagReport | None = None
+    """How far storage was behind at the plan (`twolevel.lag`)."""
 
 
 @dataclass(frozen=True)
