@@ -26,7 +26,7 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
 from moc.train.cli_args import add_train_args, config_from_args
 from moc.train.injob import is_standby, standby_wait
-from moc.train.loop import NothingToTrain, Trainer
+from moc.train.loop import NothingToTrain, Trainer, prepare_standby
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     corpus = None
     if is_standby():  # a spare (in-job recovery): ready, until its host wakes it
-        corpus = Trainer.prepare(config_from_args(args))
+        corpus = prepare_standby(config_from_args(args))
         standby_wait()
     # First of all: a signal from now on is a request to stop at a step boundary, not a
     # KeyboardInterrupt or a death where the process stands.

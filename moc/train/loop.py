@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import signal
@@ -172,6 +173,30 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def leave_if_stopped(preemption: Preemption | None, ckpt_dir: str | None) -> None:
+    """A stop request (SIGTERM, SIGINT) while the job re-forms after a fault (called by
+    `Membership.join` as it waits): no final checkpoint can be taken without every rank,
+    so this process ends at once and says, truthfully, which step storage holds."""
+    if preemption is None or preemption.received is None:
+        return
+    try:
+        steps = complete_steps(open_storage(ckpt_dir).root) if ckpt_dir else []
+    except (OSError, ValueError):  # an object store out of reach: say what is known
+        steps = []
+    durable = f"step {steps[-1]} is durable" if steps else "no step is durable yet"
+    preemption.leave_now(f"{preemption.received.name} while the job re-formed after a "
+                         f"fault: stopping without a final checkpoint; {durable} in "
+                         f"{ckpt_dir}")
+
+
+def prepare_standby(cfg: TrainConfig) -> Corpus:
+    """What a spare does while it waits (in-job recovery), so that none of it stands
+    between a fault and the next step: the data loaded, and torch's deterministic
+    mode set (its first call costs 0.7 s on the project's VM)."""
+    torch.use_deterministic_algorithms(True)
+    return Corpus.load(cfg.data, cfg.model.seq_len)
+
+
 class NothingToTrain(ValueError):
     """The checkpoint directory's run is already past the steps asked for (raised on every
     rank, after the restore: the engine is still to be closed)."""
@@ -195,7 +220,8 @@ class Trainer:
         self.membership = (Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                                       lambda: self.step) if in_job() else None)
         """In-job recovery: this process's generation of the job (None: restarts)."""
-        init_distributed(cfg.device, self.membership, self._stop_while_forming)
+        self._stopping = functools.partial(leave_if_stopped, preemption, cfg.ckpt_dir)
+        init_distributed(cfg.device, self.membership, self._stopping)
         torch.use_deterministic_algorithms(True)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
@@ -224,14 +250,6 @@ class Trainer:
         # PLT and Dynamic-K count routed tokens by hooks (DCP saves every expert: none).
         self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
         self.recovery: RecoveryLog | None = None
-
-    @staticmethod
-    def prepare(cfg: TrainConfig) -> Corpus:
-        """What a spare does while it waits (in-job recovery), so that none of it stands
-        between a fault and the next step: the data loaded, and torch's deterministic
-        mode set (its first call costs 0.7 s on the project's VM)."""
-        torch.use_deterministic_algorithms(True)
-        return Corpus.load(cfg.data, cfg.model.seq_len)
 
     def _agree_on_placement(self) -> int:
         """The job's attempt, agreed by every rank (`train.engines.agree_on_placement`).
@@ -340,8 +358,7 @@ class Trainer:
             self.routing.remove()
         if self.checkpointer is not None:
             self.checkpointer.abandon()
-        membership.join("nccl" if self.cfg.device == "cuda" else "gloo",
-                        self._stop_while_forming)
+        membership.join("nccl" if self.cfg.device == "cuda" else "gloo", self._stopping)
         self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
         rebind_experts(self.model, self.groups)
         self.optimizer.rebind(self.groups)
@@ -351,22 +368,6 @@ class Trainer:
         self.attempt = self._agree_on_placement()
         self.checkpointer = self.make_checkpointer()
         self.routing = self.checkpointer and self.checkpointer.watch_routing(self.model)
-
-    def _stop_while_forming(self) -> None:
-        """A stop request (SIGTERM, SIGINT) while the job re-forms after a fault: no
-        final checkpoint can be taken without every rank, so this process ends at once
-        and says, truthfully, which step storage holds."""
-        p = self.preemption
-        if p is None or p.received is None:
-            return
-        try:
-            steps = (complete_steps(open_storage(self.cfg.ckpt_dir).root)
-                     if self.cfg.ckpt_dir else [])
-        except (OSError, ValueError):  # an object store out of reach: say what is known
-            steps = []
-        durable = f"step {steps[-1]} is durable" if steps else "no step is durable yet"
-        p.leave_now(f"{p.received.name} while the job re-formed after a fault: stopping "
-                    f"without a final checkpoint; {durable} in {self.cfg.ckpt_dir}")
 
     def _recovery(self, last: dict | None, fields: dict[str, Any]) -> RecoveryLog:
         """The recovery event of this restore, written after the first step."""
