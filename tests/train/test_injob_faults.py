@@ -79,6 +79,7 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+@pytest.mark.slow  # faults during re-formation: the slow tier (make test-slow)
 def test_a_second_fault_while_the_job_re_forms_costs_one_more_generation(tmp_path,
                                                                          reference):
     """Rank 1 is killed, then rank 0 (whose host serves the job's store across nodes)
@@ -100,6 +101,7 @@ def test_a_second_fault_while_the_job_re_forms_costs_one_more_generation(tmp_pat
           f"{[p['generation'] for p in placements]}, total downtime {downtime:.2f}s")
 
 
+@pytest.mark.slow  # faults during re-formation: the slow tier (make test-slow)
 def test_a_node_restarted_by_torchrun_meets_the_others_again(tmp_path, reference):
     """Node 1's rank host itself is killed: torchrun restarts node 1's workers and its
     re-rendezvous restarts node 0's. The agents' restart counts now differ (1 and 0):
@@ -117,6 +119,7 @@ def test_a_node_restarted_by_torchrun_meets_the_others_again(tmp_path, reference
     assert events(tmp_path, "recovery")[-1]["kind"] == "restart"
 
 
+@pytest.mark.slow  # faults during re-formation: the slow tier (make test-slow)
 def test_a_stop_while_the_job_re_forms_says_truly_what_is_durable(tmp_path):
     """SIGTERM to the launcher while rank 0 waits for rank 1's newcomer: no final
     checkpoint can be taken without rank 1; rank 0 stops at once and names the step
