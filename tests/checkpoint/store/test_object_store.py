@@ -193,14 +193,15 @@ def test_a_persist_process_killed_before_the_manifest_leaves_that_step_unread(
     assert ckpt.persist.process is not first  # restarted for the steps after it
     assert {r.step: r.error is None for r in results} == {2: True, 4: False, 6: True,
                                                           8: True}
-    assert steps_before_close == [2, 6, 8] and objects_of_4 == {rank_file(0)}
+    assert steps_before_close == [2, 6, 8]
+    # What the killed process left of step 4 went with the new process's first persist
+    # (issue 40: a replaced persist process's orphans are tidied as at start).
+    assert objects_of_4 == set()
     fresh = _build(1)
     again = Checkpointer(*fresh, s3_url, interval=1)
-    report = again.restore()  # reads only: step 4's objects stay, never read ...
+    report = again.restore()
     assert report.step == 8
     _assert_same((model, opt), fresh)
-    assert set(object_steps(root)[4]) == {rank_file(0)}
-    again.save(9, {"step": 9})  # ... until the first save removes them
     again.close()
     assert 4 not in object_steps(root) and verify_checkpoints(s3_url).ok
 
