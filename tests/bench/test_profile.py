@@ -16,8 +16,11 @@ def test_the_profile_accounts_for_every_phase_of_a_real_checkpoint(tmp_path, cap
     phases = result["phases"]
     # The first checkpoint alone reserves the slots' memory; every one copies, writes
     # and commits, with CPU time of its own thread.
-    first = phases["first"]["snapshot"]["reserve"][0]
-    assert phases["steady"]["snapshot"].get("reserve", [0.0])[0] < first / 10
+    # (Its time is not compared with a steady checkpoint's: since issue 39 the slots are
+    # prepared in the background after the first optimizer step, so what the first
+    # checkpoint still waits for depends on the machine's load, and tests assert no
+    # wall-clock figures.)
+    assert phases["first"]["snapshot"]["reserve"][0] >= 0
     for name in ("copy", "header"):
         assert phases["steady"]["snapshot"][name][1] > 0, name
     for name in ("read", "write", "fsync", "commit"):
