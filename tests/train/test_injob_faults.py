@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moc.checkpoint.store.steps import complete_steps
+from moc.train.machines import parent_of
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
 from tests.train.test_injob import STEPS, assert_exact, events, train
@@ -72,11 +73,6 @@ class Run:
                 self.process.kill()
         self._reader.join(timeout=10)
         return code, "".join(self.lines)
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.mark.slow  # faults during re-formation: the slow tier (make test-slow)
