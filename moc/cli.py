@@ -43,7 +43,7 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     world = nodes * nproc
     ParallelLayout(world, cfg.resolve_ep(world), cfg.model.n_experts)
-    if spare_nodes and (nodes < 2 or cfg.recovery != "in-job"):
+    if spare_nodes and (nodes < 2 or cfg.resolve_recovery(world) != "in-job"):
         raise ValueError(f"--spare-nodes {spare_nodes} stands machines by for in-job "
                          "recovery across machines: it needs --nodes 2 or more and "
                          "--recovery in-job")
@@ -142,15 +142,16 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     `--nodes N` > 1, N torchrun agents, one per simulated node (moc.train.nodes)."""
     from moc.train.agent import run_agent
 
-    cfg = config_from_args(args)
+    ranks = args.nodes * args.nproc
+    cfg = config_from_args(args).for_world(ranks)
     try:
         check_train_config(cfg, args.nproc, args.nodes, args.spare_nodes)
     except RunComplete as e:
         print(f"moc train: {e}", file=sys.stderr)
         return 0
-    args.device = cfg.device  # every worker trains where the launcher decided
+    # Every worker trains where, and recovers how, the launcher decided.
+    args.device, args.recovery, args.spares = cfg.device, cfg.recovery, cfg.spares
     # Each rank gets its share of the cores; also silences torchrun's warning.
-    ranks = args.nodes * args.nproc
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     shutdown_s = torchrun_shutdown_s(cfg.grace_s)
     if args.nodes > 1:
@@ -261,9 +262,27 @@ def demo() -> int:
     rows += [("final train loss", f"{summary['final_loss']:.4f}"),
              ("validation loss", f"{summary['val_loss']:.4f}"),
              ("metrics", str(metrics)),
-             ("look inside", f"moc inspect {DEMO_DIR / 'ckpt'}; moc verify {DEMO_DIR / 'ckpt'}")]
+             ("look inside", f"{moc_command()} inspect {DEMO_DIR / 'ckpt'}; "
+                             f"{moc_command()} verify {DEMO_DIR / 'ckpt'}")]
     print("\n" + table(rows, "moc demo: what happened"))
     return 0
+
+
+def moc_command() -> str:
+    """How to run moc from here, for the lines that tell a user what to type next: `moc`
+    when that is on PATH and is this installation, else this interpreter's own `moc`
+    script (e.g. `.venv/bin/moc`, which `make demo` does not put on PATH), else
+    `python -m moc`."""
+    here = Path(sys.executable).parent / "moc"
+    found = shutil.which("moc")
+    if found is not None and (not here.exists() or Path(found).resolve() == here.resolve()):
+        return "moc"
+    if here.exists():
+        try:
+            return str(here.relative_to(Path.cwd()))
+        except ValueError:
+            return str(here)
+    return f"{sys.executable} -m moc"
 
 
 SIGPIPE_EXIT = 141

@@ -86,7 +86,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-at", type=int, help="SIGKILL --fault-rank at this step "
                                                "(first attempt only)")
     p.add_argument("--fault-every", type=int, help="SIGKILL --fault-rank at every multiple "
-                   "of this many steps (needs --max-restarts of at least steps / F)")
+                   "of this many steps (under --recovery restart, give --max-restarts of at "
+                   "least steps / F)")
     p.add_argument("--fault-rank", type=int, default=0,
                    help="the rank --fault-at / --fault-every kill (default 0)")
     p.add_argument("--fault-kind", choices=["process", "node", "machine", "persist", "hang"],
@@ -97,13 +98,15 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                         "wipe its memory; "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode "
                         "moc); hang: SIGSTOP the rank (--recovery in-job)")
-    p.add_argument("--recovery", choices=["restart", "in-job"], default="restart",
-                   help="restart (default): torchrun restarts every worker after a fault "
-                        "(--max-restarts); in-job: only the lost or hung rank's process is "
-                        "replaced, the others keep their processes and memory")
-    p.add_argument("--spares", type=int, default=0,
+    p.add_argument("--recovery", choices=["auto", "restart", "in-job"], default="auto",
+                   help="in-job: only the lost or hung rank's process is replaced, the "
+                        "others keep their processes and memory; restart: torchrun "
+                        "restarts every worker after a fault (--max-restarts); auto "
+                        "(default): in-job for more than one rank, restart for one")
+    p.add_argument("--spares", type=int,
                    help="in-job: a standby process per rank, imported and waiting, "
-                        "that takes a lost rank's place (0 or 1; default 0)")
+                        "that takes a lost rank's place (0 or 1; default 1 on cuda, where "
+                        "it costs host memory only, 0 on cpu)")
     p.add_argument("--hang-timeout", type=float, metavar="S",
                    help="in-job: a rank with no heartbeat, or no step while not waiting for "
                         "a peer, for S seconds is killed and replaced (default: 10x the "

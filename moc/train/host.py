@@ -42,12 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moc.checkpoint.twolevel import prestart
+from moc.forking import Forked
+from moc.train import forked
 from moc.train.injob import (
     ENV_FD,
     ENV_GEN,
     ENV_PRESTART,
     ENV_STANDBY,
     ENV_STORE,
+    FINISHED,
     PREFIX,
     gen_key,
     next_generation,
@@ -94,7 +97,7 @@ that its import runs beside the training process's own; then `python -m moc.trai
 class Child:
     """One training process and what its heartbeats said."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     pipe: int
     """The read end of its heartbeat pipe."""
     started: float = field(default_factory=time.monotonic)
@@ -173,6 +176,10 @@ class RankHost:
         """The round's store (served here on rank 0 across nodes: kept while the host
         lives), the job's, and the job's in this round's namespace."""
         self.lease = Lease(self.store, slot) if self.identity is not None else None
+        self.fork = forked.forking()
+        """Training processes are forked from this host (`moc.train.forked`)."""
+        if self.fork:
+            forked.preload()
         self.standby: Child | None = None
         self.signal: int | None = None
         self.child: Child | None = None
@@ -198,6 +205,7 @@ class RankHost:
                 self._end_standby()
                 if code == 0 and self.rank == 0:
                     self.job_store.set(JOB_FINISHED, "1")  # the spare nodes may go
+                    self.store.set(FINISHED, "1")  # and a newcomer still gathering
                 return code
             if self.signal is not None:  # stopping anyway: no replacement
                 self._end_standby()
@@ -225,6 +233,11 @@ class RankHost:
                 child.close()
                 if code >= 0:
                     return None, code
+                if child.last.get("phase") == "done":  # its work is done and durable
+                    self._say(f"process {child.process.pid} died ({_signal_name(-code)}) "
+                              "after its training finished and its engine closed; not "
+                              "replaced")
+                    return None, 128 + self.signal if self.signal is not None else 0
                 return f"process {child.process.pid} died ({_signal_name(-code)})", code
             if self.refill_due and child.last.get("trained", 0) >= 1:
                 self.refill_due = False
@@ -311,11 +324,16 @@ class RankHost:
             env[ENV_PRESTART] = "1"
         if self.identity is not None:
             env.update(self.identity.env())
-        process = subprocess.Popen(
-            [sys.executable, "-c", BOOT, prestart.__file__, *self.argv], env=env,
-            pass_fds=(write,),
-            stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
-            preexec_fn=die_with_parent())
+        process: subprocess.Popen | Forked
+        if self.fork:
+            process = forked.fork(self.argv, env, write, stdin=standby,
+                                  on_fork=die_with_parent())
+        else:
+            process = subprocess.Popen(
+                [sys.executable, "-c", BOOT, prestart.__file__, *self.argv], env=env,
+                pass_fds=(write,),
+                stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
+                preexec_fn=die_with_parent())
         os.close(write)
         return Child(process, read, joined=gen or 0)
 

@@ -44,6 +44,9 @@ import torch.distributed as dist
 
 from moc.topology import COLLECTIVE_TIMEOUT, restart_count
 
+FINISHED = "finished"
+"""Set (in the round's namespace) by rank 0's host when rank 0 ended its training with
+0: the job is complete, and a process still gathering a generation has nothing to do."""
 ENV_FD = "MOC_INJOB_FD"
 """The heartbeat pipe's file descriptor, set by the host (absent: not in-job)."""
 ENV_GEN = "MOC_INJOB_GEN"
@@ -163,6 +166,7 @@ class Membership:
         """The job's step time, as its survivors left it (None: no fault yet)."""
         self._step = step
         self._pipe = os.fdopen(int(os.environ[ENV_FD]), "w", buffering=1)
+        self._lock = threading.Lock()
         threading.Thread(target=self._beat, name="moc-injob-heartbeat", daemon=True).start()
 
     # -- the process groups --------------------------------------------------------------
@@ -201,6 +205,10 @@ class Membership:
             while not self.store.check(keys):
                 if generation(self.store) > self.gen:
                     break
+                if self.store.check([FINISHED]):  # rank 0 ended it: every rank's work is done
+                    self._say(f"the job finished while generation {self.gen} gathered; "
+                              "nothing left to do")
+                    os._exit(0)
                 if stopping is not None:
                     stopping()
                 if time.monotonic() > report_at:
@@ -268,16 +276,30 @@ class Membership:
         self.trained += 1
         return self.trained == 1
 
+    def done(self) -> None:
+        """Training is over and the engine closed (the final checkpoint durable, the
+        groups gone): told to the host at once, so that a death from here on (a C++
+        destructor's abort at exit) ends this rank as finished instead of starting a
+        newcomer that would wait for peers who are gone."""
+        self.phase = "done"
+        self._tell()
+
     def _beat(self) -> None:
         while True:
-            line = {"gen": self.gen, "step": self._step(), "phase": self.phase,
-                    "waiting": self._waiting(), "trained": self.trained,
-                    "step_s": self.step_s()}
-            try:
-                self._pipe.write(json.dumps(line) + "\n")
-            except (OSError, ValueError):  # the host is gone: so is the job
-                os._exit(1)
+            self._tell()
             time.sleep(HEARTBEAT_S)
+
+    def _tell(self) -> None:
+        """One heartbeat line (the heartbeat thread's, and `done`'s on the training
+        thread: a lock keeps their lines whole)."""
+        line = {"gen": self.gen, "step": self._step(), "phase": self.phase,
+                "waiting": self._waiting(), "trained": self.trained,
+                "step_s": self.step_s()}
+        try:
+            with self._lock:
+                self._pipe.write(json.dumps(line) + "\n")
+        except (OSError, ValueError):  # the host is gone: so is the job
+            os._exit(1)
 
     def _say(self, line: str) -> None:
         print(f"moc train: rank {self.rank}: {line}", file=sys.stderr, flush=True)

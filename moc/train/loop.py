@@ -334,6 +334,8 @@ class Trainer:
             try:
                 result = self._run()
                 self.close()
+                if self.membership is not None:
+                    self.membership.done()
                 return result
             except Exception as e:
                 if self.membership is None or not lost_peer(e):

@@ -21,6 +21,12 @@ Across 2 simulated nodes (`--nodes 2 --nproc 1`, peer replicas on, torchrun rest
 once) a whole node is lost at a random moment: its rank and its persist process are
 SIGKILLed together and its node-local memory is wiped; the job must finish on its own,
 every step on disk must verify and equal the reference, and every loss must too.
+
+Under in-job recovery (issue 40): a whole machine (its torchrun agent, rank host,
+training, standby and persist processes, and its memory) lost at a random moment and
+taken over by a spare node; and a second fault at a random moment while the job re-forms
+after a first (the survivor, its node, or the newcomer), which costs one more generation.
+Each finishes by itself, verifies, and equals the uninterrupted run bitwise.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import pytest
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
+from moc.train.machines import machine_pids, parent_of
 from moc.train.metrics import read_events
 
 pytestmark = pytest.mark.slow
@@ -50,10 +57,12 @@ KILL_POINTS = 20
 
 
 def _args(root: Path) -> list[str]:
+    """The job; torchrun's restart unless a test asks for in-job recovery (the last
+    --recovery given wins)."""
     return [sys.executable, "-m", "moc", "train", "--nproc", "2", "--ep", "2", "--config",
             "tiny", "--steps", str(STEPS), "--ckpt-mode", "moc", "--k-persist", "all",
             "--ckpt-interval", "2", "--ckpt-dir", str(root / "ckpt"),
-            "--metrics", str(root / "metrics.jsonl")]
+            "--metrics", str(root / "metrics.jsonl"), "--recovery", "restart"]
 
 
 @pytest.fixture(scope="module")
@@ -383,3 +392,109 @@ def test_in_job_recovery_from_random_kills_stops_and_node_losses_is_exact(
     crashed = [block for block in err.split("Traceback (most recent call last):")[1:]
                if "moc/train/" in block.split("\n\n")[0]]
     assert not crashed, crashed[0][-3000:]
+
+
+def _steps_logged(root: Path) -> list[int]:
+    metrics = root / "metrics.jsonl"
+    return [e["step"] for e in read_events(metrics) if e["event"] == "step"] \
+        if metrics.exists() else []
+
+
+def _assert_in_job_exact(root: Path, ref_root: Path, label: tuple) -> None:
+    """An in-job run that finished: it verifies, every step on disk and every loss kept
+    is the uninterrupted run's, no step is missing, and every recovery was in-job."""
+    verify = subprocess.run([sys.executable, "-m", "moc", "verify", str(root / "ckpt")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, (label, verify.stdout)
+    _assert_steps_equal(root / "ckpt", ref_root / "ckpt", label)
+    ref_losses, losses = dict(_losses(ref_root)), _losses(root)
+    for step, loss in losses:
+        assert loss == ref_losses[step], (label, step)
+    assert sorted({s for s, _ in losses}) == list(range(1, STEPS + 1)), label
+    recoveries = [e for e in read_events(root / "metrics.jsonl") if e["event"] == "recovery"]
+    assert recoveries and all(e["kind"] == "in-job" for e in recoveries), (label, recoveries)
+
+
+def _in_job_run(root: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """An in-job job on 2 simulated nodes, its stderr to a file (a pipe nobody reads
+    while it runs could fill and stop it)."""
+    log = root / "stderr.log"
+    job = subprocess.Popen([*_args(root), "--nodes", "2", "--nproc", "1", "--recovery",
+                            "in-job", *extra], stdout=subprocess.DEVNULL,
+                           stderr=log.open("w"))
+    return job, log
+
+
+def _wait_for_step(job: subprocess.Popen, root: Path, step: int, log: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not (_steps_logged(root) and max(_steps_logged(root)) >= step):
+        assert job.poll() is None, log.read_text()[-6000:]
+        assert time.monotonic() < deadline, log.read_text()[-6000:]
+        time.sleep(0.01)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+MACHINE_POINTS = 4
+
+
+@pytest.mark.parametrize("seed", range(MACHINE_POINTS))
+def test_a_machine_lost_at_any_moment_is_taken_over_by_a_spare_node_exactly(
+        tmp_path, reference, seed):
+    """Every process of simulated machine 0 or 1 (agent, rank host, training, standby
+    and persist processes) SIGKILLed at a random moment, its memory wiped; machine 0's
+    rank is rank 0, which commits every checkpoint and writes the metrics."""
+    rng = random.Random(4000 + seed)
+    node, at, delay = seed % 2, rng.randint(2, STEPS - 3), rng.uniform(0.0, 0.3)
+    job, log = _in_job_run(tmp_path, "--spare-nodes", "1")
+    _wait_for_step(job, tmp_path, at, log)
+    time.sleep(delay)
+    placement = _active(tmp_path)
+    agent = parent_of(parent_of(placement["pids"][node]))
+    _kill(machine_pids(agent))  # agent first: nothing of the machine restarts anything
+    for d in Path(placement["shm_roots"][node]).glob("moc-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    assert job.wait(timeout=400) == 0, (node, at, log.read_text()[-12000:])
+    _assert_in_job_exact(tmp_path, reference, ("machine", node, at))
+    assert "adopted by spare node 2" in log.read_text(), log.read_text()[-6000:]
+
+
+REFORM_POINTS = 6
+SECOND_FAULTS = ("survivor", "survivor-node", "newcomer")
+
+
+@pytest.mark.parametrize("seed", range(REFORM_POINTS))
+def test_a_second_fault_while_the_job_re_forms_costs_one_more_generation_exactly(
+        tmp_path, reference, seed):
+    """A rank killed or its node lost at a random step, then, a random 0-2 s later while
+    the job re-forms, a second fault: the survivor killed, the survivor's node lost, or
+    the first rank's newcomer killed as it starts or joins."""
+    rng = random.Random(5000 + seed)
+    first, at = rng.randint(0, 1), rng.randint(3, STEPS - 4)
+    first_kind, second, gap = rng.choice(("rank", "node")), SECOND_FAULTS[seed % 3], \
+        rng.uniform(0.0, 2.0)
+    label = (first_kind, first, at, second, round(gap, 2))
+    job, log = _in_job_run(tmp_path, "--hang-timeout", "3")
+    _wait_for_step(job, tmp_path, at, log)
+    placement = _active(tmp_path)
+    hosts = [parent_of(pid) for pid in placement["pids"]]
+    assert _in_job_fault(tmp_path, first_kind, first), label
+    time.sleep(gap)
+    other = 1 - first
+    if second == "survivor":
+        _kill([placement["pids"][other]])
+    elif second == "survivor-node":
+        survivor = placement["pids"][other]
+        _kill([survivor, *[int(c) for c in subprocess.run(
+            ["pgrep", "-P", str(survivor)], capture_output=True, text=True).stdout.split()]])
+        for d in Path(placement["shm_roots"][other]).glob("moc-*"):
+            shutil.rmtree(d, ignore_errors=True)
+    else:  # whatever the first rank's host runs now: its newcomer
+        _kill([int(c) for c in subprocess.run(["pgrep", "-P", str(hosts[first])],
+                                              capture_output=True, text=True).stdout.split()])
+    assert job.wait(timeout=400) == 0, (label, log.read_text()[-12000:])
+    _assert_in_job_exact(tmp_path, reference, label)

@@ -77,9 +77,10 @@ def assert_in_place(root: Path, replaced: list[int], source: str) -> dict:
     return recovery
 
 
-def test_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process(tmp_path, reference):
-    r = train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--fault-at", "12",
-              "--fault-rank", "1")
+def test_by_default_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process(
+        tmp_path, reference):
+    """No --recovery: a multi-rank `moc train` recovers in-job."""
+    r = train(tmp_path, "--nproc", "2", "--fault-at", "12", "--fault-rank", "1")
     assert_exact(tmp_path, reference["one"])
     recovery = assert_in_place(tmp_path, [1], "memory")
     assert recovery["resumed_from"] == 10 and recovery["step"] == 11
@@ -137,8 +138,8 @@ def test_recurring_faults_each_replace_one_process(tmp_path, reference):
 
 
 def test_a_restart_reports_its_downtime_and_every_rank_as_replaced(tmp_path, reference):
-    train(tmp_path, "--nproc", "2", "--fault-at", "12", "--fault-rank", "1",
-          "--max-restarts", "1")
+    train(tmp_path, "--nproc", "2", "--recovery", "restart", "--fault-at", "12",
+          "--fault-rank", "1", "--max-restarts", "1")
     assert_exact(tmp_path, reference["one"])
     (recovery,) = events(tmp_path, "recovery")
     before, after = (e["pids"] for e in events(tmp_path, "placement"))
@@ -165,10 +166,12 @@ def test_replacements_are_bounded_and_the_end_is_one_clear_line(tmp_path):
 
 
 def test_options_of_in_job_recovery_are_checked_before_anything_starts(tmp_path):
-    for args, says in ((["--spares", "1"], "--spares and --hang-timeout are for --recovery "
-                                           "in-job"),
-                       (["--fault-kind", "hang", "--fault-at", "3"], "only --recovery in-job "
-                                                                     "detects a hang"),
+    for args, says in ((["--recovery", "restart", "--spares", "1"],
+                        "--spares and --hang-timeout are for --recovery in-job"),
+                       (["--recovery", "restart", "--fault-kind", "hang", "--fault-at", "3"],
+                        "only --recovery in-job detects a hang"),
+                       (["--ckpt-mode", "dcp-sync", "--spares", "1"],
+                        "--recovery in-job needs a moc engine"),
                        (["--recovery", "in-job", "--spares", "2"], "--spares must be 0 or 1"),
                        (["--recovery", "in-job", "--hang-timeout", "0"],
                         "--hang-timeout must be > 0"),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel import prestart
 from moc.train import host
+from moc.train.config import TrainConfig
 from moc.train.injob import (
     FORM_FACTOR,
     FORM_FLOOR_S,
@@ -163,3 +164,30 @@ def test_the_form_timeout_follows_the_step_time_with_a_floor():
     assert m.form_timeout_s() == FORM_FACTOR * 2.0
     m.step_times = [0.01, 0.02, 0.03]
     assert m.form_timeout_s() == FORM_FLOOR_S
+
+
+def test_recovery_is_in_job_for_more_than_one_rank_unless_asked_otherwise():
+    cfg = TrainConfig.from_preset("tiny")
+    assert cfg.recovery == "auto"
+    assert (cfg.for_world(2).recovery, cfg.for_world(8).recovery) == ("in-job", "in-job")
+    # One rank gains nothing from a host; the DCP baselines cannot recover in-job.
+    assert cfg.for_world(1).recovery == "restart"
+    assert TrainConfig.from_preset("tiny", ckpt_mode="dcp-sync").for_world(2).recovery \
+        == "restart"
+    # What only in-job has asks for it, on one rank too; what is asked for is kept.
+    for asks in ({"spares": 1}, {"hang_timeout": 5.0}, {"fault_kind": "hang"}):
+        assert TrainConfig.from_preset("tiny", **asks).for_world(1).recovery == "in-job"
+    assert TrainConfig.from_preset("tiny", recovery="restart").for_world(4).recovery \
+        == "restart"
+    assert TrainConfig.from_preset("tiny", recovery="in-job").for_world(1).recovery \
+        == "in-job"
+
+
+def test_a_standby_is_the_default_on_cuda_only_and_only_in_job():
+    """A standby holds no CUDA context until it takes a rank's place: host memory only."""
+    cpu, cuda = (TrainConfig.from_preset("tiny", device=d) for d in ("cpu", "cuda"))
+    assert (cpu.for_world(2).spares, cuda.for_world(2).spares) == (0, 1)
+    assert cuda.for_world(1).spares == 0  # restart: no host, no standby
+    assert TrainConfig.from_preset("tiny", device="cuda", spares=0).for_world(2).spares == 0
+    with pytest.raises(ValueError, match="--spares and --hang-timeout are for --recovery"):
+        TrainConfig.from_preset("tiny", recovery="restart", spares=1)

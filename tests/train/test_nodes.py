@@ -109,13 +109,14 @@ def test_each_node_has_its_own_memory_root_kept_across_the_restart_and_removed_a
      "--fault-node 1 loses a whole node: it needs --fault-kind node or machine (got "
      "process)"),
     (["--nodes", "0"], "--nodes must be >= 1, got 0"),
-    (["--nodes", "2", "--nproc", "1", "--spare-nodes", "1"],
+    (["--nodes", "2", "--nproc", "1", "--recovery", "restart", "--spare-nodes", "1"],
      "--spare-nodes 1 stands machines by for in-job recovery across machines"),
     (["--nodes", "2", "--nproc", "1", "--recovery", "in-job", "--fault-kind", "machine",
       "--fault-node", "1", "--fault-at", "5"],
      "--fault-kind machine loses a machine for good: give --spare-nodes 1"),
-    (["--nodes", "2", "--nproc", "1", "--fault-kind", "machine", "--fault-node", "1",
-      "--fault-at", "5"], "--fault-kind machine loses a simulated machine"),
+    (["--nodes", "2", "--nproc", "1", "--recovery", "restart", "--fault-kind", "machine",
+      "--fault-node", "1", "--fault-at", "5"], "--fault-kind machine loses a simulated "
+                                               "machine"),
     (["--nodes", "2", "--nproc", "1", "--fault-at", "5", "--fault-rank", "2"],
      "--fault-rank 2 does not exist with --nproc 1 x --nodes 2"),
 ])

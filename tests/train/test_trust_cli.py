@@ -71,7 +71,8 @@ def test_a_second_job_on_the_same_directory_is_refused_and_the_first_keeps_its_c
 def test_memory_snapshots_of_a_killed_run_are_not_resumed_by_another_run(tmp_path):
     ckpt = tmp_path / "ckpt"
     killed = moc(*_train_args(ckpt, 30, "--ckpt-interval", "5", "--k-persist", "1",
-                              "--fault-at", "23", "--fault-rank", "1"))
+                              "--fault-at", "23", "--fault-rank", "1", "--recovery",
+                              "restart"))
     assert killed.returncode != 0  # no restarts allowed: the job died at step 23
     for p in ckpt.iterdir():  # rm -rf DIR/*
         shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -22,8 +22,10 @@ import contextlib
 import os
 import subprocess
 import sys
+from typing import Any
 
-_waiting: list[subprocess.Popen] = []
+_waiting: list[Any] = []
+"""subprocess.Popen, or moc.forking.Forked."""
 
 
 def spawn() -> subprocess.Popen:
@@ -47,12 +49,23 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, 10)
 
 
-def prestart() -> None:
+def prestart(fork: bool = False) -> None:
     """Have one persist process waiting (a no-op while one is). Call it on the main
-    thread: a process keeps the scheduling class of the thread that started it."""
+    thread: a process keeps the scheduling class of the thread that started it.
+    `fork`: fork it from this process, which has imported torch and runs no other
+    thread yet (a training process just forked from its host, `moc.forking`): it then
+    waits imported at once, instead of after an interpreter's start and torch's import,
+    which an engine built right after (a newcomer's) would wait for."""
     if not any(p.poll() is None for p in _waiting):
         _waiting.clear()
-        _waiting.append(spawn())
+        _waiting.append(_fork() if fork else spawn())
+
+
+def _fork() -> Any:
+    from moc.checkpoint.twolevel.persist import serve_on
+    from moc.forking import fork
+
+    return fork(serve_on, stdin=True, on_fork=_lower_priority)
 
 
 def take() -> subprocess.Popen | None:
