@@ -28,7 +28,7 @@ class RunComplete(Exception):
 
 
 def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
-                       spare_nodes: int = 0) -> None:
+                       spare_nodes: int = 0, machine_restart_s: float | None = None) -> None:
     """Everything that can be checked before starting processes, so that bad input gets
     one clear line instead of a traceback from every rank. `nproc` ranks on each of
     `nodes` (simulated) nodes."""
@@ -49,9 +49,15 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
                          "--recovery in-job")
     if spare_nodes < 0:
         raise ValueError(f"--spare-nodes must be >= 0, got {spare_nodes}")
-    if cfg.fault_kind == "machine" and not spare_nodes:
+    if machine_restart_s is not None and (nodes < 2 or cfg.resolve_recovery(world) != "in-job"
+                                          or not machine_restart_s >= 0):
+        raise ValueError(f"--machine-restart-s {machine_restart_s:g} starts a lost machine "
+                         "again for in-job recovery across machines: it needs --nodes 2 or "
+                         "more, in-job recovery and a number of seconds >= 0")
+    if cfg.fault_kind == "machine" and not spare_nodes and machine_restart_s is None:
         raise ValueError("--fault-kind machine loses a machine for good: give "
-                         "--spare-nodes 1 for one to take its place")
+                         "--spare-nodes 1 for one to take its place, or "
+                         "--machine-restart-s S to start it again")
     faults = cfg.fault_at is not None or cfg.fault_every is not None
     if faults and cfg.fault_node is None and cfg.fault_rank >= world:
         ranks = f"--nproc {nproc}" + (f" x --nodes {nodes}" if nodes > 1 else "")
@@ -145,7 +151,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ranks = args.nodes * args.nproc
     cfg = config_from_args(args).for_world(ranks)
     try:
-        check_train_config(cfg, args.nproc, args.nodes, args.spare_nodes)
+        check_train_config(cfg, args.nproc, args.nodes, args.spare_nodes,
+                           args.machine_restart_s)
     except RunComplete as e:
         print(f"moc train: {e}", file=sys.stderr)
         return 0
@@ -159,6 +166,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_nodes(args.nodes, args.nproc, args.max_restarts, worker_argv(args, parser),
                          module=worker_module(cfg), spare_nodes=args.spare_nodes,
+                         machine_restart_s=args.machine_restart_s,
                          gpus=args.nproc if cfg.device == "cuda" else 0,
                          shutdown_s=shutdown_s)
     # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they

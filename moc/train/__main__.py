@@ -25,7 +25,8 @@ from typing import NoReturn
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
 from moc.train.cli_args import add_train_args, config_from_args
-from moc.train.injob import is_standby, standby_wait
+from moc.train.injob import REJOIN_STATUS, first_line, is_standby, lost_peer, standby_wait
+from moc.train.injob import enabled as in_job
 from moc.train.loop import NothingToTrain, Trainer, prepare_standby
 
 
@@ -42,8 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption(grace_s=args.grace_s if args.grace_s > 0 else None)
     trainer = None
     try:
-        trainer = Trainer(config_from_args(args), preemption, corpus=corpus)
-        result = trainer.run()  # and closes it: collective, only when every rank got here
+        try:
+            trainer = Trainer(config_from_args(args), preemption, corpus=corpus)
+            result = trainer.run()  # and closes it: collective, when every rank got here
+        except Exception as e:
+            if in_job() and lost_peer(e):
+                # A peer lost while this process started (a second fault while the job
+                # re-forms): `run` rejoins by itself, a Trainer half made cannot. Its
+                # host starts it again in the next generation, as it would a dead one.
+                _leave(REJOIN_STATUS, f"moc train: rank {os.environ.get('RANK', '?')}: "
+                                      f"lost a peer while starting ({first_line(e)}); "
+                                      "starting again")
+            raise
     except NothingToTrain as e:
         assert trainer is not None
         trainer.close()  # every rank raised it, at the same point

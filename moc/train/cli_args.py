@@ -7,7 +7,7 @@ import argparse
 from moc.train.config import CKPT_MODES, PRESETS, TrainConfig
 
 # Options only the launcher understands; the workers never see them.
-LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts", "spare_nodes")
+LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts", "spare_nodes", "machine_restart_s")
 
 
 def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -24,6 +24,11 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                        help="in-job, with --nodes: standby machines (a torchrun agent "
                             "each, its hosts holding a training process ready) that take "
                             "over every rank of a machine lost (default 0)")
+        p.add_argument("--machine-restart-s", type=float, metavar="S",
+                       help="in-job, with --nodes: a lost machine (its agent SIGKILLed) is "
+                            "started again S seconds later, as a scheduler would, and its "
+                            "hosts adopt its ranks without restarting the survivors (after "
+                            "the spare nodes, if any, are used up)")
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
                    help="model and schedule preset (default tiny)")
     p.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
@@ -93,7 +98,8 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--fault-kind", choices=["process", "node", "machine", "persist", "hang"],
                    default="process",
                    help="node: also wipe the node's shared-memory snapshots (a node loss); "
-                        "machine (with --fault-node and --spare-nodes): SIGKILL every "
+                        "machine (with --fault-node, and --spare-nodes or "
+                        "--machine-restart-s): SIGKILL every "
                         "process of the simulated machine, its agent and hosts too, and "
                         "wipe its memory; "
                         "persist: SIGKILL rank 0's persist process instead (--ckpt-mode "

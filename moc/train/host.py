@@ -52,12 +52,15 @@ from moc.train.injob import (
     ENV_STORE,
     FINISHED,
     PREFIX,
+    REJOIN_STATUS,
     gen_key,
     next_generation,
 )
 from moc.train.machines import (
+    ENV_JOIN,
     JOB_FINISHED,
     LOST_S,
+    NAMESPACE,
     Identity,
     Lease,
     LeaseWatch,
@@ -231,6 +234,8 @@ class RankHost:
             if code is not None:
                 child.read()
                 child.close()
+                if code == REJOIN_STATUS:  # it lost a peer while it started
+                    return f"process {child.process.pid} lost a peer while it started", code
                 if code >= 0:
                     return None, code
                 if child.last.get("phase") == "done":  # its work is done and durable
@@ -305,7 +310,8 @@ class RankHost:
         child, self.standby = self.standby, None
         assert child is not None
         self._wake(child, gen, self.identity.env())
-        self._say(f"{why}; adopted by spare node {os.environ.get('GROUP_RANK')}, process "
+        by = "node started again" if os.environ.get(ENV_JOIN) else "spare node"
+        self._say(f"{why}; adopted by {by} {os.environ.get('GROUP_RANK')}, process "
                   f"{child.process.pid} in generation {gen}")
         self.refill_due = bool(self.spares)
         return child
@@ -397,6 +403,10 @@ def _serve_store() -> Any:
     from moc.topology import COLLECTIVE_TIMEOUT
     from moc.train.injob import ENV_NS, connect, namespace
 
+    if os.environ.get(ENV_JOIN):  # a machine started again: outside torchrun's round
+        store = connect()
+        os.environ[ENV_NS] = store.get(NAMESPACE).decode()
+        return store, store, dist.PrefixStore(namespace(), store)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     rank = int(os.environ["RANK"])
     round_store = dist.TCPStore(
@@ -405,6 +415,8 @@ def _serve_store() -> Any:
         is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     os.environ[ENV_NS] = agree_namespace(round_store, rank, agent)
     store = round_store if not os.environ.get(ENV_STORE) else connect()
+    if rank == 0 and os.environ.get(ENV_STORE):  # for a machine that joins later
+        store.set(NAMESPACE, os.environ[ENV_NS])
     return round_store, store, dist.PrefixStore(namespace(), store)
 
 

@@ -44,6 +44,9 @@ import torch.distributed as dist
 
 from moc.topology import COLLECTIVE_TIMEOUT, restart_count
 
+REJOIN_STATUS = 75
+"""The exit status of a training process that lost a peer while it started (its Trainer
+half made cannot rejoin by itself): its host starts it again, as it would a dead one."""
 FINISHED = "finished"
 """Set (in the round's namespace) by rank 0's host when rank 0 ended its training with
 0: the job is complete, and a process still gathering a generation has nothing to do."""
@@ -63,6 +66,8 @@ ENV_STORE = "MOC_JOB_STORE"
 its launcher); absent: the round's store, torchrun's MASTER_ADDR:MASTER_PORT."""
 HEARTBEAT_S = 0.1
 FORM_POLL_S = 0.005
+STRANDED_EVERY = 5
+"""Every this many heartbeats, a process checks whether the job left it behind."""
 FORM_FLOOR_S = 5.0
 FORM_FACTOR = 10.0
 """Once every rank of a generation is a member, their process group forms within
@@ -167,6 +172,8 @@ class Membership:
         self._step = step
         self._pipe = os.fdopen(int(os.environ[ENV_FD]), "w", buffering=1)
         self._lock = threading.Lock()
+        self._watch: dist.Store | None = None
+        """The heartbeat thread's own client of the job's store (`_stranded`)."""
         threading.Thread(target=self._beat, name="moc-injob-heartbeat", daemon=True).start()
 
     # -- the process groups --------------------------------------------------------------
@@ -189,7 +196,7 @@ class Membership:
                     raise
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                self._say(f"generation {self.gen} did not form ({_first_line(e)}); "
+                self._say(f"generation {self.gen} did not form ({first_line(e)}); "
                           "moving on")
                 self.gen = next_generation(self.store, self.gen)
                 tries += 1
@@ -252,7 +259,8 @@ class Membership:
         connections, so that a survivor blocked on this one fails too) and move the job
         to the next generation; the generation to join. The step time goes into the
         store, for the replacement's form and hang timeouts."""
-        dist.destroy_process_group()
+        if dist.is_initialized():  # not after a failed rejoin that had destroyed them
+            dist.destroy_process_group()
         if self.step_times:
             self.store.set("step_s", str(statistics.median(self.step_times)))
         self.gen = next_generation(self.store, self.gen)
@@ -285,9 +293,41 @@ class Membership:
         self._tell()
 
     def _beat(self) -> None:
+        behind_since: float | None = None
+        beats = 0
         while True:
             self._tell()
+            beats += 1
+            if beats % STRANDED_EVERY == 0:
+                behind_since = self._stranded(behind_since)
             time.sleep(HEARTBEAT_S)
+
+    def _stranded(self, behind_since: float | None) -> float | None:
+        """End this process when the job moved past its generation and it has not
+        followed within twice the form timeout: it is blocked in a wait on a peer that
+        died after the generation formed (a collective or a store wait of its rejoin or
+        start, which only the store's 300 s would end). Its host starts it again, and
+        the newcomer restores from this node's memory. When the job is at its
+        generation: None; else since when it is behind."""
+        if self.phase == "done":
+            return None
+        try:
+            if self._watch is None:
+                self._watch = job_store(datetime.timedelta(seconds=10))
+            current = generation(self._watch)
+        except Exception:  # the store is unreachable: the training thread will see it
+            return behind_since
+        if current <= self.gen:
+            return None
+        now = time.monotonic()
+        if behind_since is None:
+            return now
+        if now - behind_since > 2 * self.form_timeout_s():
+            self._say(f"stranded in generation {self.gen} (the job is at {current}) for "
+                      f"{now - behind_since:.1f}s, waiting on a peer that is gone; "
+                      "starting again")
+            os._exit(REJOIN_STATUS)
+        return behind_since
 
     def _tell(self) -> None:
         """One heartbeat line (the heartbeat thread's, and `done`'s on the training
@@ -330,8 +370,14 @@ def _forget_failed_groups() -> None:
         world.group_count = 0
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:120]
+def first_line(error: BaseException) -> str:
+    """What a line on stderr says of `error`: its first sentence, without the source
+    location gloo puts first ("[.../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:1961. This ..." says "Connection closed by peer [127.0.0.1]:1961")."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\.\w+:\d+\]\s*", "", text)
+    text = re.split(r"\.\s+(?=[A-Z])", text, maxsplit=1)[0]
+    return text[:160] or type(error).__name__
 
 
 def gen_key(gen: int) -> str:

@@ -38,7 +38,7 @@ from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
 from moc.train.engines import agree_on_placement, initial_model, make_engine
 from moc.train.evaluate import mean_over_ranks, validation_loss
-from moc.train.injob import ENV_PRESTART, Membership, lost_peer
+from moc.train.injob import ENV_PRESTART, Membership, first_line, lost_peer
 from moc.train.injob import enabled as in_job
 from moc.train.machines import lose_machine
 from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
@@ -330,8 +330,12 @@ class Trainer:
         recovery (`moc.train.injob`): when a peer is lost, even while the engine closes,
         this process rejoins the job's next generation and goes on from the newest
         checkpoint, as many times as faults come."""
+        lost: Exception | None = None
         while True:
             try:
+                if lost is not None:  # a rejoin may lose a peer too: then another
+                    self.rejoin(lost)
+                    lost = None
                 result = self._run()
                 self.close()
                 if self.membership is not None:
@@ -340,7 +344,7 @@ class Trainer:
             except Exception as e:
                 if self.membership is None or not lost_peer(e):
                     raise
-                self.rejoin(e)
+                lost = e
 
     def rejoin(self, error: BaseException) -> None:
         """A peer was lost: destroy the process groups (so that a survivor blocked on
@@ -353,13 +357,14 @@ class Trainer:
         membership.phase = "rejoin"
         if self.is_main:
             print(f"moc train: rank {self.rank}: lost a peer at step {self.step} "
-                  f"({str(error).splitlines()[0][:120]}); rejoining", file=sys.stderr,
-                  flush=True)
+                  f"({first_line(error)}); rejoining", file=sys.stderr, flush=True)
         membership.leave()
         if self.routing is not None:
             self.routing.remove()
+            self.routing = None
         if self.checkpointer is not None:
             self.checkpointer.abandon()
+            self.checkpointer = None
         membership.join("nccl" if self.cfg.device == "cuda" else "gloo", self._stopping)
         self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
         rebind_experts(self.model, self.groups)

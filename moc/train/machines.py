@@ -21,6 +21,11 @@ hold no rank, each with a training process imported and waiting) watches them:
 The survivors' collectives fail at once (the lost ranks' sockets close with their
 machine) and they wait in the next generation, in their own processes and memory.
 
+Without a standby node, a machine started again takes the lost one's place the same
+way: its hosts start outside torchrun's rendezvous (ENV_JOIN), hold no rank, and adopt
+the machine whose leases stopped (`moc train --machine-restart-s S` simulates the
+scheduler's restart).
+
 The store must outlive the machine: `moc train --nodes` serves it in its launcher, as
 a cluster's rendezvous endpoint would (docs/guide/multi-node.md).
 """
@@ -43,6 +48,15 @@ LOST_S = 2.0
 is a small process that does little else, so a pause this long is a dead machine)."""
 ENV_NODES = "MOC_TRAIN_NODES"
 """The training nodes of the job (`--nodes`); torchrun's world has the spare nodes too."""
+ENV_JOIN = "MOC_INJOB_JOIN"
+"""Set for the rank hosts of a machine started again outside torchrun's rendezvous (a
+scheduler's restart of a lost machine, `moc train --machine-restart-s`): they hold no
+rank, read the round's namespace from the job's store (NAMESPACE), and adopt a lost
+machine's ranks as a spare node's hosts do. Joining torchrun's rendezvous instead
+would make every agent restart its workers, the survivors' included."""
+NAMESPACE = "moc/injob/namespace"
+"""The current round's namespace, published in the job's store by rank 0's host (where
+the job's store is not the round's own: MOC_JOB_STORE), for hosts that join later."""
 JOB_FINISHED = "moc/injob/finished"
 """Set in the job's store (outside any round's namespace: a finished job has no next
 round) by rank 0's host when its training process finished: the spare nodes' hosts then

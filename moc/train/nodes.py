@@ -134,7 +134,7 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
               gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train",
-              spare_nodes: int = 0) -> int:
+              spare_nodes: int = 0, machine_restart_s: float | None = None) -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -156,7 +156,10 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     stand by to adopt a lost machine's ranks (`moc.train.machines`). An agent SIGKILLed
     then is a machine lost, up to `spare_nodes` of them: no failure while a spare takes
     its place, and the survivors, whose exit barrier waits for the lost agent for
-    torch's 300 s, are ended once the job's store says the training finished."""
+    torch's 300 s, are ended once the job's store says the training finished. With
+    `machine_restart_s`, a lost machine is started again that many seconds later, as a
+    scheduler would: its rank hosts start outside torchrun's rendezvous and adopt the
+    lost machine's ranks (`moc.train.machines`, ENV_JOIN)."""
     in_job = module == "moc.train.host"
     try:
         root = sim_root()
@@ -170,6 +173,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     run_id = f"moc-{uuid.uuid4().hex[:12]}"
     store = serve_store(port) if in_job else None
     agents: list[subprocess.Popen] = []
+    waited: _Wait | None = None
     signals = _Signals()
     previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -182,12 +186,26 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
                 agent_argv(nodes + spare_nodes, nproc, max_restarts, endpoint, run_id,
                            worker, shutdown_s, module, served=store is not None),
                 env=env, preexec_fn=die_with_parent(), start_new_session=True))
+        def restart(lost: int, node: int) -> list[subprocess.Popen]:
+            """Machine `lost` started again, as simulated node `node`: its hosts."""
+            (root / f"node-{node}").mkdir(mode=0o700)
+            env = node_env(root, node, nproc, 0)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = node_env(root, lost, nproc, gpus)[
+                    "CUDA_VISIBLE_DEVICES"]
+            return [subprocess.Popen([sys.executable, "-u", "-m", module, *worker],
+                                     env={**env, **joiner_env(endpoint, nodes, nproc, node,
+                                                              local)},
+                                     preexec_fn=die_with_parent(), start_new_session=True)
+                    for local in range(nproc)]
+
         waited = _Wait(agents, signals, (TORCHRUN_SHUTDOWN_S if shutdown_s is None
                                          else shutdown_s) + TERMINATE_S,
-                       spare_nodes, store)
+                       spare_nodes, store, restart if machine_restart_s is not None else None,
+                       machine_restart_s or 0.0)
         codes = waited.run()
     finally:
-        _terminate(agents)  # a no-op once all have exited
+        _terminate(agents + (waited.joiners if waited is not None else []))
         shutil.rmtree(root, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -198,6 +216,8 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
         return 128 + int(signals.first)
     failed = [f"node {i}: exit {c}" for i, c in enumerate(codes)
               if c != 0 and i not in waited.lost and not waited.finished]
+    failed += [f"a machine started again: exit {p.returncode}" for p in waited.joiners
+               if p.returncode not in (0, None) and not waited.finished]
     if failed:
         print(f"moc train: error: simulated nodes failed ({'; '.join(failed)})",
               file=sys.stderr)
@@ -235,21 +255,38 @@ class _Wait:
     """Every agent's exit status; after the first failure the rest have GRACE_S. A
     signal of the launcher is forwarded to every agent once; they then have `stop_s`
     (a second signal: none) before they are killed. With `spare_nodes`, an agent
-    SIGKILLed is a machine lost (up to `spare_nodes`), not a failure."""
+    SIGKILLed is a machine lost (up to `spare_nodes`), not a failure; with `restart`
+    too, and the machine is started again `restart_s` later (`restart(lost, node)`: its
+    hosts, `joiners`, waited for as the agents are)."""
 
     def __init__(self, agents: list[subprocess.Popen], signals: _Signals, stop_s: float,
-                 spare_nodes: int = 0, store: object = None) -> None:
+                 spare_nodes: int = 0, store: object = None,
+                 restart: Callable[[int, int], list[subprocess.Popen]] | None = None,
+                 restart_s: float = 0.0) -> None:
         self.agents, self.signals, self.stop_s = agents, signals, stop_s
         self.spare_nodes, self.store = spare_nodes, store
+        self.restart, self.restart_s = restart, restart_s
         self.lost: set[int] = set()
         self.finished = False
+        self.joiners: list[subprocess.Popen] = []
+        self.restarted = 0
+        self._due: list[tuple[float, int]] = []
+        """(when, lost node): machines to start again."""
 
     def run(self) -> list[int]:
         agents, signals = self.agents, self.signals
         deadline = stop_by = finish_by = None
         forwarded = False
-        while any(a.poll() is None for a in agents):
+        while any(a.poll() is None for a in agents + self.joiners):
             now = time.monotonic()
+            agents = self.agents + self.joiners
+            for when, lost in [d for d in self._due if d[0] <= now and signals.first is None]:
+                self._due.remove((when, lost))
+                node = len(self.agents) + self.restarted
+                self.restarted += 1
+                print(f"moc train: machine {lost} started again (as simulated node {node}): "
+                      "its ranks rejoin the job", file=sys.stderr, flush=True)
+                self.joiners += self.restart(lost, node) if self.restart else []
             if signals.first is not None and not forwarded:
                 for a in agents:
                     if a.poll() is None:
@@ -274,19 +311,42 @@ class _Wait:
                 _terminate(agents)
                 break
             time.sleep(POLL_S)
-        return [a.wait() for a in agents]
+        for p in self.joiners:
+            p.wait()
+        return [a.wait() for a in self.agents]
 
     def _note_lost(self) -> None:
         for i, a in enumerate(self.agents):
             if (a.poll() == -signal.SIGKILL and i not in self.lost
-                    and len(self.lost) < self.spare_nodes):
+                    and (len(self.lost) < self.spare_nodes or self.restart is not None)):
                 self.lost.add(i)
-                print(f"moc train: node {i} lost (its agent SIGKILLed): a spare node "
-                      "takes its ranks", file=sys.stderr, flush=True)
+                if len(self.lost) <= self.spare_nodes:
+                    print(f"moc train: node {i} lost (its agent SIGKILLed): a spare node "
+                          "takes its ranks", file=sys.stderr, flush=True)
+                else:
+                    print(f"moc train: node {i} lost (its agent SIGKILLed): it is started "
+                          f"again in {self.restart_s:g}s", file=sys.stderr, flush=True)
+                    self._due.append((time.monotonic() + self.restart_s, i))
 
     def _training_finished(self) -> bool:
         return bool(self.lost) and self.store is not None and self.store.check(
             [JOB_FINISHED])
+
+
+def joiner_env(endpoint: str, nodes: int, nproc: int, node: int, local: int
+               ) -> dict[str, str]:
+    """What torchrun would give a rank host, for one of a machine started again outside
+    its rendezvous: no rank of torchrun's (RANK past every training rank), the job's
+    store, and ENV_JOIN (moc.train.machines)."""
+    from moc.train.machines import ENV_JOIN
+
+    world = nodes * nproc
+    return {ENV_STORE: endpoint, ENV_NODES: str(nodes), ENV_JOIN: "1",
+            "RANK": str(world + node * nproc + local), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
+            "MASTER_ADDR": endpoint.rsplit(":", 1)[0], "MASTER_PORT": endpoint.rsplit(":", 1)[1],
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "moc-joined"}
 
 
 def serve_store(port: int) -> object:

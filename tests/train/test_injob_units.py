@@ -20,6 +20,7 @@ from moc.train.injob import (
     FORM_FACTOR,
     FORM_FLOOR_S,
     Membership,
+    first_line,
     generation,
     lost_peer,
     next_generation,
@@ -191,3 +192,14 @@ def test_a_standby_is_the_default_on_cuda_only_and_only_in_job():
     assert TrainConfig.from_preset("tiny", device="cuda", spares=0).for_world(2).spares == 0
     with pytest.raises(ValueError, match="--spares and --hang-timeout are for --recovery"):
         TrainConfig.from_preset("tiny", recovery="restart", spares=1)
+
+
+def test_a_lost_peer_is_told_in_its_first_sentence_without_gloo_s_source_location():
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+                        " Connection closed by peer [127.0.0.1]:1961. This may indicate a "
+                        "possible application crash on rank 0 or a network set up issue.")
+    assert first_line(gloo) == "Connection closed by peer [127.0.0.1]:1961"
+    assert first_line(RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:38634: "
+                                   "Connection reset by peer")) \
+        == "Read error [127.0.0.1]:38634: Connection reset by peer"
+    assert first_line(RuntimeError("")) == "RuntimeError"
