@@ -131,21 +131,27 @@ def test_a_stop_while_the_job_re_forms_says_truly_what_is_durable(tmp_path):
         assert f"step {newest} is durable" in stderr, stderr[-3000:]
 
 
-def test_a_lost_machine_is_taken_over_by_a_spare_node(tmp_path, reference):
+@pytest.mark.parametrize(("how", "args", "says"), [
+    ("spare node", ["--spare-nodes", "1"], "adopted by spare node 2"),
+    ("started again 2 s later", ["--machine-restart-s", "2"],
+     "adopted by node started again 2")])
+def test_a_lost_machine_is_taken_over_and_the_survivor_keeps_its_process(
+        tmp_path, reference, how, args, says):
     """Every process of simulated machine 1 (its torchrun agent, rank host, training and
     persist processes) SIGKILLed and its memory wiped: no host is left to replace
-    anything. The spare node's host sees machine 1's leases stop, adopts rank 1 and
-    restores it from the replica node 0 keeps; rank 0 keeps its process throughout."""
-    r = train(tmp_path, *TWO_NODES, "--spare-nodes", "1", "--fault-kind", "machine",
-              "--fault-node", "1", "--fault-at", "17")
+    anything. A spare node's host, or a host of the machine started again as a
+    scheduler would (outside torchrun's rendezvous: joining it would restart every
+    agent's workers), sees machine 1's leases stop, adopts rank 1 and restores it from
+    the replica node 0 keeps; rank 0 keeps its process throughout."""
+    r = train(tmp_path, *TWO_NODES, *args, "--fault-kind", "machine", "--fault-node", "1",
+              "--fault-at", "17")
     assert_exact(tmp_path, reference)
     (recovery,) = events(tmp_path, "recovery")
     before, after = (e["pids"] for e in events(tmp_path, "placement"))
     assert recovery["kind"] == "in-job" and recovery["replaced"] == [1]
     assert recovery["sources"] == {"memory": [0], "peer": [1]}
     assert before[0] == after[0] and before[1] != after[1]
-    assert "adopted by spare node 2" in r.stderr, r.stderr[-3000:]
+    assert says in r.stderr, r.stderr[-3000:]
     placement = events(tmp_path, "placement")[-1]
     assert placement["nodes"] == [0, 1] and "node-2" in placement["shm_roots"][1]
-    print(f"machine lost at step 17, taken over by the spare node: downtime "
-          f"{recovery['downtime_s']:.2f}s")
+    print(f"machine lost at step 17, {how}: downtime {recovery['downtime_s']:.2f}s")

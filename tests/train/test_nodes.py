@@ -117,6 +117,10 @@ def test_each_node_has_its_own_memory_root_kept_across_the_restart_and_removed_a
     (["--nodes", "2", "--nproc", "1", "--recovery", "restart", "--fault-kind", "machine",
       "--fault-node", "1", "--fault-at", "5"], "--fault-kind machine loses a simulated "
                                                "machine"),
+    (["--nodes", "2", "--nproc", "1", "--recovery", "restart", "--machine-restart-s", "2"],
+     "--machine-restart-s 2 starts a lost machine again for in-job recovery"),
+    (["--nodes", "2", "--nproc", "1", "--machine-restart-s", "-1"],
+     "a number of seconds >= 0"),
     (["--nodes", "2", "--nproc", "1", "--fault-at", "5", "--fault-rank", "2"],
      "--fault-rank 2 does not exist with --nproc 1 x --nodes 2"),
 ])
