@@ -45,7 +45,9 @@ CASES = {"trainer-ddp": ("hf_trainer.py", 2, ()),
          "accelerate-qwen": ("accelerate_loop.py", 1, ("--model", "qwen2_moe"))}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[
+    pytest.param(c, marks=pytest.mark.slow) if "qwen" in c else c  # CI time: the slow tier
+    for c in sorted(CASES)])
 def runs(request, tmp_path_factory) -> dict[str, object]:
     example, ranks, extra = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)

@@ -1,4 +1,4 @@
-"""Training processes forked from their rank host (`moc.forking`).
+"""Training processes forked from their rank host (`moc.checkpoint.twolevel.forking`).
 
 A newcomer started as a new interpreter pays Python's start, torch's and moc's imports
 before it can join the job: on the project's 2-core VM, with a node lost every 50 steps
@@ -15,19 +15,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from moc.forking import Forked
-from moc.forking import fork as fork_child
+from moc.checkpoint.twolevel.forking import Forked
+from moc.checkpoint.twolevel.forking import fork as fork_child
 
 ENV_START = "MOC_INJOB_START"
 """fork (the default where os.fork exists) or spawn (a new interpreter per process)."""
 
 
 def forking() -> bool:
-    """Whether training processes are forked from the host."""
+    """Whether training processes are forked from the host: not where fork is missing,
+    nor once this process has initialised CUDA (a child could not use it; the host
+    makes no CUDA call, so this guards against one added later)."""
     how = os.environ.get(ENV_START, "fork")
     if how not in ("fork", "spawn"):
         raise SystemExit(f"moc train: error: {ENV_START}={how!r}: expected fork or spawn")
-    return how == "fork" and hasattr(os, "fork")
+    import torch
+
+    return how == "fork" and hasattr(os, "fork") and not torch.cuda.is_initialized()
 
 
 def preload() -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moc.checkpoint.twolevel import prestart
-from moc.forking import Forked
+from moc.checkpoint.twolevel.forking import Forked
 from moc.train import forked
 from moc.train.injob import (
     ENV_FD,

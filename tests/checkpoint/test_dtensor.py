@@ -118,7 +118,9 @@ def _same(got: dict, want: dict) -> list[str]:
     return bad + sorted(set(want) ^ set(got))
 
 
-@pytest.mark.parametrize("kind", sorted(ENGINES))
+@pytest.mark.parametrize("kind", [
+    pytest.param(k, marks=pytest.mark.slow) if k == "twolevel" else k  # CI time: slow tier
+    for k in sorted(ENGINES)])
 def test_fsdp2_dtensor_ep_restores_bitwise_on_its_layout_in_one_process_and_on_4_ranks(
         tmp_path, kind):
     root = str(tmp_path / "ckpt")

@@ -87,6 +87,15 @@ def test_by_default_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process
     assert "rank 1: process" in r.stderr and "died (SIGKILL)" in r.stderr
 
 
+def test_newcomers_started_as_new_interpreters_recover_the_same(tmp_path, reference):
+    """MOC_INJOB_START=spawn: the way before forking (moc.checkpoint.twolevel.forking),
+    kept for a platform without fork."""
+    train(tmp_path, "--nproc", "2", "--fault-at", "12", "--fault-rank", "1",
+          env={"MOC_INJOB_START": "spawn"})
+    assert_exact(tmp_path, reference["one"])
+    assert_in_place(tmp_path, [1], "memory")
+
+
 def test_a_lost_node_is_replaced_from_its_peer_and_the_other_node_keeps_its_process(
         tmp_path, reference):
     train(tmp_path, "--nodes", "2", "--nproc", "1", "--recovery", "in-job", "--spares", "1",
@@ -125,6 +134,7 @@ def test_rank_0_is_replaced_too_and_its_new_process_goes_on_logging(tmp_path, re
     assert_in_place(tmp_path, [0], "memory")
 
 
+@pytest.mark.slow  # long; CI time (make test-slow runs it)
 def test_recurring_faults_each_replace_one_process(tmp_path, reference):
     train(tmp_path, "--nproc", "2", "--recovery", "in-job", "--spares", "1",
           "--fault-every", "9", "--fault-rank", "1")

@@ -73,6 +73,7 @@ def test_a_worker_under_plain_torchrun_refuses_too_and_leaves_no_memory(at_60, t
     assert not list(shm.glob("moc-*"))
 
 
+@pytest.mark.slow  # long; CI time (make test-slow runs it)
 def test_resume_step_rolls_back_and_a_restart_after_a_fault_does_not_roll_back_again(
         tmp_path):
     r = _train(tmp_path, 60)

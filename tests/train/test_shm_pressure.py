@@ -28,6 +28,7 @@ def _train(shm: Path, ckpt: Path, *args: str, timeout: float) -> subprocess.Comp
         env={**os.environ, "MOC_SHM_ROOT": str(shm)})
 
 
+@pytest.mark.slow  # long; CI time (make test-slow runs it)
 def test_too_little_shared_memory_fails_every_attempt_clearly_and_room_later_works(tmp_path):
     with tmpfs(tmp_path / "shm", "6500k") as shm:
         args = ("--nproc", "2", "--steps", "60", "--ckpt-interval", "5")

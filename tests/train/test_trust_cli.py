@@ -27,6 +27,7 @@ def _train_args(ckpt: Path, steps: int, *extra: str) -> list[str]:
             "--ckpt-dir", str(ckpt), "--ckpt-mode", "moc", *extra]
 
 
+@pytest.mark.slow  # long; CI time (make test-slow runs it)
 def test_a_finished_run_restarted_for_more_steps_loses_nothing(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     args = ("--ckpt-interval", "1", "--k-persist", "1", "--metrics", str(metrics))

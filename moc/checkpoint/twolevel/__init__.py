@@ -21,6 +21,7 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     watch            a leader's watch over its persist process: stopped or hung, killed
     lag              how far storage is behind memory, reported with every checkpoint
     prestart         persist processes started ahead of need (stdlib only)
+    forking          children forked from a process that imported what they run
     commit           the commit across nodes: begin, parts, records on storage
     nodes            which ranks share a node; each node's leader; its memory's root
     replica          a snapshot sent to, and kept in, another node's memory

@@ -24,8 +24,10 @@ import subprocess
 import sys
 from typing import Any
 
+PERSIST = "moc.checkpoint.twolevel.persist"
+"""The persist process's module, named (it imports this one)."""
 _waiting: list[Any] = []
-"""subprocess.Popen, or moc.forking.Forked."""
+"""subprocess.Popen, or moc.checkpoint.twolevel.forking.Forked."""
 
 
 def spawn() -> subprocess.Popen:
@@ -36,8 +38,8 @@ def spawn() -> subprocess.Popen:
     so that its start-up, torch's import, takes the cores only when training leaves
     them."""
     return subprocess.Popen(
-        [sys.executable, "-c", "from moc.checkpoint.twolevel.persist import serve_on; "
-         "serve_on()"], stdin=subprocess.PIPE, preexec_fn=_lower_priority)
+        [sys.executable, "-c", f"from {PERSIST} import serve_on; serve_on()"],
+        stdin=subprocess.PIPE, preexec_fn=_lower_priority)
 
 
 def _lower_priority() -> None:
@@ -53,7 +55,7 @@ def prestart(fork: bool = False) -> None:
     """Have one persist process waiting (a no-op while one is). Call it on the main
     thread: a process keeps the scheduling class of the thread that started it.
     `fork`: fork it from this process, which has imported torch and runs no other
-    thread yet (a training process just forked from its host, `moc.forking`): it then
+    thread yet (a training process just forked from its host, `forking`): it then
     waits imported at once, instead of after an interpreter's start and torch's import,
     which an engine built right after (a newcomer's) would wait for."""
     if not any(p.poll() is None for p in _waiting):
@@ -62,10 +64,13 @@ def prestart(fork: bool = False) -> None:
 
 
 def _fork() -> Any:
-    from moc.checkpoint.twolevel.persist import serve_on
-    from moc.forking import fork
+    import importlib
 
-    return fork(serve_on, stdin=True, on_fork=_lower_priority)
+    from moc.checkpoint.twolevel.forking import fork
+
+    # By name, as `spawn`'s command line names it: persist imports this module.
+    return fork(lambda: importlib.import_module(PERSIST).serve_on(), stdin=True,
+                on_fork=_lower_priority)
 
 
 def take() -> subprocess.Popen | None:

@@ -36,6 +36,7 @@ def _job(root: Path, host: Path, *args: str, stall: float = 0.0) -> dict:
     return json.loads(lines[-1])
 
 
+@pytest.mark.slow  # long; CI time (make test-slow runs it)
 def test_a_later_job_never_restores_another_lines_memory_over_a_newer_commit(tmp_path):
     """The issue's three jobs. A (host A) commits step 10, then its persist stalls and it
     dies with steps up to 50 in host A's memory only. B (host B, other batches)
