@@ -460,4 +460,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Leave at once, as a training process does (`moc.train.__main__`): torchrun SIGTERMs
+    # the other hosts as soon as one exits with an error, and Python's teardown (the
+    # round's store served here, the forked children's pipes) puts the default handlers
+    # back first, under which a host that had its own status was reported killed (-15).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
