@@ -123,8 +123,8 @@ class Child:
         """Take in the heartbeats that arrived."""
         while select.select([self.pipe], [], [], 0)[0]:
             chunk = os.read(self.pipe, 65536)
-            if not chunk:
-                return
+            if not chunk:  # it exited: its last lines are still taken in below
+                break
             self.buffer += chunk
         *lines, self.buffer = self.buffer.split(b"\n")
         now = time.monotonic()
@@ -150,6 +150,17 @@ class Child:
             return (f"no step for {stalled:.1f}s (at step {self.last.get('step')}, not "
                     "waiting for a peer)")
         return None
+
+    def fault(self, code: int) -> str | None:
+        """Why its exit with status `code` is a fault, to be replaced (None: it ended by
+        itself, with its own status; or it died after its last heartbeat said its work
+        was done and durable, as a C++ destructor's abort at exit does: a newcomer then
+        would wait for peers who are gone). Call after the last `read`."""
+        if code == REJOIN_STATUS:
+            return f"process {self.process.pid} lost a peer while it started"
+        if code >= 0 or self.last.get("phase") == "done":
+            return None
+        return f"process {self.process.pid} died ({_signal_name(-code)})"
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -234,16 +245,15 @@ class RankHost:
             if code is not None:
                 child.read()
                 child.close()
-                if code == REJOIN_STATUS:  # it lost a peer while it started
-                    return f"process {child.process.pid} lost a peer while it started", code
-                if code >= 0:
-                    return None, code
-                if child.last.get("phase") == "done":  # its work is done and durable
+                why = child.fault(code)
+                if why is not None:
+                    return why, code
+                if code < 0:  # a death after its work was done and durable
                     self._say(f"process {child.process.pid} died ({_signal_name(-code)}) "
                               "after its training finished and its engine closed; not "
                               "replaced")
                     return None, 128 + self.signal if self.signal is not None else 0
-                return f"process {child.process.pid} died ({_signal_name(-code)})", code
+                return None, code
             if self.refill_due and child.last.get("trained", 0) >= 1:
                 self.refill_due = False
                 self._refill()

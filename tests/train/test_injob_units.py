@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from moc.train.config import TrainConfig
 from moc.train.injob import (
     FORM_FACTOR,
     FORM_FLOOR_S,
+    REJOIN_STATUS,
     Membership,
     first_line,
     generation,
@@ -126,6 +128,32 @@ def test_the_default_timeout_follows_the_step_time_above_a_floor(child):
     assert c.hung(None) is None
     c.beat -= host.HANG_FACTOR * 1.0
     assert c.hung(None) is not None
+
+
+@pytest.mark.parametrize("phase", ["train", "done"])
+def test_a_death_after_the_work_is_done_is_no_fault_and_a_death_before_is(phase):
+    """A real process tells its host a phase, then dies of SIGKILL (as a C++ destructor's
+    abort at exit would, after `Membership.done`). Replacing a process that had finished
+    would start a newcomer that waits for peers who are gone."""
+    read, write = os.pipe()
+    line = json.dumps({"gen": 0, "step": 7, "phase": phase}) + "\n"
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal, sys; os.write(int(sys.argv[1]), "
+         "sys.argv[2].encode()); os.kill(os.getpid(), signal.SIGKILL)", str(write), line],
+        pass_fds=(write,))
+    os.close(write)
+    c = host.Child(process, read)
+    code = process.wait(timeout=60)
+    c.read()
+    c.close()
+    assert code == -signal.SIGKILL and c.last["phase"] == phase
+    if phase == "done":
+        assert c.fault(code) is None
+    else:
+        assert c.fault(code) == f"process {process.pid} died (SIGKILL)"
+    # Its own exits are never faults, but for the one that asks to be started again.
+    assert c.fault(0) is None and c.fault(2) is None
+    assert "lost a peer while it started" in c.fault(REJOIN_STATUS)
 
 
 def test_a_prestarted_persist_process_waits_and_ends_unused_at_eof():

@@ -1,0 +1,95 @@
+"""A training process's membership when the job moves on without it (issue 40): a real
+process with a real `Membership` on a real store, the test playing the rest of the job.
+
+- the job finished while the process gathered a generation: it exits 0, as done;
+- the job moved past the process's generation while the process waits on a peer that
+  is gone (a store wait only the store's 300 s would end): it exits REJOIN_STATUS, and
+  its host starts it again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from moc.train.injob import (
+    ENV_FD,
+    ENV_GEN,
+    ENV_NS,
+    FINISHED,
+    FORM_FLOOR_S,
+    PREFIX,
+    REJOIN_STATUS,
+    gen_key,
+    next_generation,
+)
+
+pytestmark = pytest.mark.integration
+
+RANK_1 = """\
+import datetime, sys
+from moc.train.injob import Membership
+m = Membership(1, 2, step=lambda: 0)
+if sys.argv[1] == "gather":
+    m.join("gloo")  # rank 0 never comes
+    sys.exit(3)
+m.store.wait(["a-key-a-dead-peer-never-writes"], datetime.timedelta(seconds=240))
+sys.exit(4)
+"""
+
+
+class Job:
+    """The job's store, served here, and rank 1's training process on it."""
+
+    def __init__(self, what: str) -> None:
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = dist.PrefixStore(f"{PREFIX}/test", self.server)
+        self.beats, write = os.pipe()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.server.port),
+               ENV_NS: "test", ENV_FD: str(write), ENV_GEN: "0"}
+        self.process = subprocess.Popen([sys.executable, "-c", RANK_1, what], env=env,
+                                        pass_fds=(write,), stderr=subprocess.PIPE, text=True)
+        os.close(write)
+
+    def until(self, what: str, done) -> None:
+        deadline = time.monotonic() + 120
+        while not done():
+            assert self.process.poll() is None, f"rank 1 ended before {what}: " + \
+                self.process.stderr.read()
+            assert time.monotonic() < deadline, f"no {what} in 120 s"
+            time.sleep(0.05)
+
+    def end(self) -> tuple[int, str]:
+        try:
+            code = self.process.wait(timeout=120)
+        finally:
+            self.process.kill()
+            os.close(self.beats)
+        return code, self.process.stderr.read()
+
+
+def test_a_process_gathering_when_the_job_finishes_ends_as_done():
+    job = Job("gather")
+    job.until("membership", lambda: job.store.check([f"{gen_key(0)}/member/1"]))
+    job.store.set(FINISHED, "1")  # rank 0's host, once rank 0 ended with 0
+    code, err = job.end()
+    assert code == 0, err
+    assert "the job finished while generation 0 gathered; nothing left to do" in err
+
+
+def test_a_process_the_job_left_behind_ends_to_be_started_again():
+    job = Job("wait")
+    job.until("heartbeat", lambda: os.read(job.beats, 4096))
+    began = time.monotonic()
+    assert next_generation(job.store, 0) == 1  # a fault elsewhere moved the job on
+    code, err = job.end()
+    assert code == REJOIN_STATUS, err
+    assert "stranded in generation 0 (the job is at 1)" in err
+    assert "waiting on a peer that is gone; starting again" in err
+    # Not before twice the form timeout (5 s floor: nothing timed): a process busy
+    # following the job has that long to do so.
+    assert time.monotonic() - began >= 2 * FORM_FLOOR_S
