@@ -72,8 +72,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180) -> lis
         for p in procs:
             p.join(timeout)
         for p in procs:
-            if p.is_alive():
+            if p.is_alive():  # hung: its exit code says so (-9)
                 p.kill()
+                p.join()
         errors = [(Path(out) / f"rank{r}.err") for r in range(world)]
         msgs = [e.read_text() for e in errors if e.exists()]
         if msgs or any(p.exitcode != 0 for p in procs):

@@ -115,10 +115,10 @@ class EngineParts:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"Checkpointer keep_last must be >= 1 or None, got {keep_last}")
         model = unwrap(model)
-        spec = experts if experts is not None else ExpertSpec.infer(model)
-        groups = groups if groups is not None else default_groups(spec)
+        spec, groups, refused = _spec_and_groups(model, experts, groups)
         policy = policy if policy is not None else PECPolicy.full()
-        if policy.k is not None and policy.selection != "full" and policy.k > spec.n_experts:
+        if (spec is not None and policy.k is not None and policy.selection != "full"
+                and policy.k > spec.n_experts):
             raise ValueError(f"PECPolicy.k={policy.k} is more than the {spec.n_experts} "
                              "experts per MoE layer; use k <= n_experts, or k=None for all")
         failures = FailurePolicy(max_failures, groups.rank)
@@ -126,7 +126,8 @@ class EngineParts:
         # Collective: a rank that refuses its layout still enters it, so every rank
         # raises the same refusal.
         state = RankState.agreed(model, as_optimizer_state(optimizer, model), spec,
-                                 groups.rank, dist.all_gather)
+                                 groups.rank, dist.all_gather, refused=refused)
+        spec = state.spec
         storage = open_storage(directory)  # the one place the directory is normalised
         root = storage.root
         lock, run_id, newest, failed = None, None, None, None
@@ -187,12 +188,36 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _spec_and_groups(model: nn.Module, experts: ExpertSpec | None,
+                     groups: ParallelGroups | None
+                     ) -> tuple[ExpertSpec | None, ParallelGroups, ValueError | None]:
+    """The experts (found by `ExpertSpec.infer` when not given) and the groups (the
+    default ones when not given), or, under an initialised multi-rank process group,
+    this rank's refusal of them with groups that every rank builds alike: the refusal
+    then goes into the engine's first all-gather (`RankState.agreed`), so that every
+    rank raises it. A rank whose model differs (a pipeline stage without MoE layers)
+    raising alone would leave its peers in that collective."""
+    try:
+        spec = experts if experts is not None else ExpertSpec.infer(model)
+        return spec, groups if groups is not None else default_groups(spec), None
+    except ValueError as e:
+        if groups is None and not _multi_rank():
+            raise
+        # The default groups are plain data parallelism whatever the model: the same
+        # `new_group` calls on every rank (`default_groups`).
+        return None, groups if groups is not None else ParallelGroups.from_world(1, 1), e
+
+
+def _multi_rank() -> bool:
+    return (torch_dist.is_available() and torch_dist.is_initialized()
+            and torch_dist.get_world_size() > 1)
+
+
 def default_groups(spec: ExpertSpec) -> ParallelGroups:
     """No `groups`: one process, or, under an initialised multi-rank process group, plain
     data parallelism over the world (every rank holds every expert). A model whose
     experts are sharded over the ranks needs the groups that say how."""
-    if not (torch_dist.is_available() and torch_dist.is_initialized()
-            and torch_dist.get_world_size() > 1):
+    if not _multi_rank():
         return ParallelGroups.single(spec.n_experts)
     held = {g for p in spec.params for g in p.global_ids}
     if any(p.sharding is not None for p in spec.params):

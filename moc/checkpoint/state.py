@@ -830,15 +830,20 @@ class RankState:
                            zlib.crc32("|".join(pieces).encode()) if pieces else 0)
 
     @classmethod
-    def agreed(cls, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec,
-               rank: int, all_gather: Callable[[Any], list[Any]]) -> RankState:
+    def agreed(cls, model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec | None,
+               rank: int, all_gather: Callable[[Any], list[Any]], *,
+               refused: ValueError | None = None) -> RankState:
         """`RankState(...).placed(all_gather)` on every rank, or the same refusal raised
         on every rank (collective). A rank whose construction refuses the model (an
-        UnsupportedLayoutError, a ValueError) still enters the one all-gather, carrying
-        its refusal in place of its pieces: raising before it would leave its peers in a
+        UnsupportedLayoutError, a ValueError; or `refused`, its experts' refusal found
+        before: `spec` is then None) still enters the one all-gather, carrying its
+        refusal in place of its pieces: raising before it would leave its peers in a
         collective it never enters (gloo's "Connection closed by peer"), each with a
         different story."""
         try:
+            if refused is not None:
+                raise refused
+            assert spec is not None
             state = cls(model, optimizer, spec, rank)
         except ValueError as e:  # UnsupportedLayoutError is one
             agreed_placements(all_gather(refusal(e)))  # raises: this rank refused

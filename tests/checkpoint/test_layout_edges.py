@@ -219,6 +219,10 @@ def _one_rank_refuses(rank: int, world: int, root: str) -> list[str]:
                                                          run_check=False, shape=w.shape,
                                                          stride=w.stride()))
     refused(model)
+    # No experts on rank 1 (a pipeline stage without MoE layers): refused by its
+    # ExpertSpec.infer, before any collective of the engine's own.
+    model = tm.build(mesh)  # collective: built by every rank
+    refused(model if rank != 1 else nn.Sequential(nn.Linear(tm.D, tm.D)))
     return out
 
 
@@ -226,9 +230,11 @@ def _one_rank_refuses(rank: int, world: int, root: str) -> list[str]:
 def test_a_layout_refused_on_some_ranks_is_the_same_one_line_on_every_rank(tmp_path):
     results = run_ranks(_one_rank_refuses, 3, str(tmp_path / "ckpt"))
     assert all(r == results[0] for r in results), results  # no gloo error on any peer
-    partial, lopsided, misshapen = results[0]
-    for message in results[0]:
+    partial, lopsided, misshapen, no_experts = results[0]
+    for message in (partial, lopsided, misshapen):
         assert message.startswith("UnsupportedLayoutError: ") and "\n" not in message
+    assert no_experts.startswith("ValueError: rank 1: ExpertSpec.infer found no expert "
+                                 "container in Sequential"), no_experts
     assert partial.startswith("UnsupportedLayoutError: rank 1: value.weight: placements "
                               "(Partial(sum),)"), partial
     assert lopsided == ("UnsupportedLayoutError: value.weight is a DTensor sharded over the "
