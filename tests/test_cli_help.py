@@ -115,3 +115,18 @@ def test_an_unknown_option_gets_the_subcommands_usage_and_error(command, tmp_pat
 def test_init_distributed_outside_torchrun_is_a_no_op(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert moc.init_distributed() is False
+
+
+@pytest.mark.integration
+def test_moc_starts_without_importing_dtensor_fsdp_or_zero():
+    """Every moc process (the CLI, each rank, each persist process) imports moc: importing
+    torch.distributed.tensor, fsdp and optim with it cost 1.3 s of each start on the
+    2-core VM. A tensor can be a DTensor, an optimizer ZeRO, only once the user imported
+    them (`moc.checkpoint.shards.is_dtensor`)."""
+    heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.optim"]
+    r = subprocess.run([sys.executable, "-c", "import sys, moc, moc.cli, moc.train.loop, "
+                        "moc.checkpoint.twolevel.persist; print([m for m in "
+                        f"{heavy!r} if m in sys.modules])"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -30,14 +30,25 @@ import functools
 import itertools
 import math
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether `t` is a DTensor. Without importing torch.distributed.tensor: a tensor can
+    be one only once its module is imported, and importing it took 0.7 s of every moc
+    process's start (`moc --help`, each rank, each persist process) on the 2-core VM,
+    for the many models that hold none."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(t, cls)
 
 
 class UnsupportedLayoutError(ValueError):
@@ -136,8 +147,11 @@ def sharding_of(name: str, t: torch.Tensor) -> Sharding | None:
     """The layout of `t` (named `name` in errors) when it is a DTensor, else None.
     Raises UnsupportedLayoutError for a Partial placement (a sum not yet reduced: no rank
     holds the value) or a layout whose local pieces are not boxes of the whole."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     for p in t.placements:
         if not isinstance(p, Shard | _StridedShard | Replicate):
             raise UnsupportedLayoutError(
@@ -172,6 +186,8 @@ def sharding_on(global_shape: tuple[int, ...], placements: tuple, mesh_shape: tu
     boxes do not tile the tensor. All but `mine` is the same at every coordinate.
     Cached: the parameters of a model share a few layouts, and a plan asks for each at
     every checkpoint."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
     holders: dict[Box, list[int]] = {}
     empty: list[int] = []
     mine = None
@@ -288,7 +304,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of `t`: its local piece when it is a DTensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def extent(boxes: Iterable[Box]) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,17 +35,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from moc.checkpoint.shards import (
     Box,
-    DTensor,
     Placed,
     UnsupportedLayoutError,
     agreed_placements,
     extent,
+    is_dtensor,
     local,
     refusal,
     report,
@@ -159,7 +158,8 @@ def as_optimizer_state(optimizer: object, model: nn.Module) -> OptimizerState:
         return NoOptimizer()
     if isinstance(optimizer, OptimizerState):
         return optimizer
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return TorchOptimizerState(optimizer.optim, model, groups=optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         return TorchOptimizerState(optimizer, model)
@@ -187,7 +187,9 @@ def _like_param(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if not v.dim():
         return v.to("cpu").clone()
     v = v.to(p.device).clone()
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
     return v
@@ -457,7 +459,7 @@ def _nothing(t: torch.Tensor, held: torch.Tensor) -> bool:
     """Whether this rank holds nothing of the DTensor `t` (`held`: its piece, empty where
     the tensor does not divide among the ranks: 4 rows over 3 ranks are 2, 2 and 0).
     An empty piece is neither saved nor read."""
-    return isinstance(t, DTensor) and held.numel() == 0
+    return is_dtensor(t) and held.numel() == 0
 
 
 def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSpec
@@ -913,9 +915,12 @@ def _check_sharded(model: nn.Module) -> None:
     """UnsupportedLayoutError for an FSDP2 module whose parameters are unsharded now
     (built between a forward and its backward, or under `unshard()`): the engine keeps
     the parameters it sees when it is built, and those would not be the optimizer's."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # a module is FSDP2's once it is
+    if fsdp is None:  # imported (not imported here: `shards.is_dtensor`)
+        return
     for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) and any(
-                not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        if isinstance(module, fsdp.FSDPModule) and any(
+                not is_dtensor(p) for p in module.parameters(recurse=False)):
             raise UnsupportedLayoutError(
                 f"the FSDP2 module {name or type(model).__name__!r} holds unsharded "
                 "parameters now; build the checkpointer when the model is sharded: after "

@@ -15,15 +15,17 @@ the same groups whatever its partition, and a restore on another world size matc
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from moc.checkpoint.state import describe_groups, load_named_state, set_hyperparameters
 from moc.parallel.grads import split_parameters
 from moc.topology import ParallelGroups
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 class ShardedAdamW:
@@ -51,6 +53,10 @@ class ShardedAdamW:
             ]
             param_groups = [g for g in param_groups if g["params"]]
             if groups.distributed and size > 1:
+                # Imported here: torch.distributed.optim imports FSDP and DTensor, 1.1 s
+                # of the start of every process that imports moc (`shards.is_dtensor`).
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
                 opt = ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,
                                               process_group=group, **kwargs)
                 self._zero.append((opt, which))
@@ -73,7 +79,7 @@ class ShardedAdamW:
         back at its initial weights: in-job recovery before any checkpoint)."""
         for opt in self.optimizers:
             opt.state.clear()
-            if isinstance(opt, ZeroRedundancyOptimizer):
+            if self._is_zero(opt):
                 opt.optim.state.clear()
 
     def set_lr(self, lr: float) -> None:
@@ -88,7 +94,10 @@ class ShardedAdamW:
 
     def _local(self) -> Iterator[torch.optim.Optimizer]:
         for opt in self.optimizers:
-            yield opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+            yield opt.optim if self._is_zero(opt) else opt
+
+    def _is_zero(self, opt: torch.optim.Optimizer) -> bool:
+        return any(opt is z for z, _ in self._zero)
 
     def owner_of(self, name: str, ep_rank: int) -> int:
         """Global rank owning the optimizer state of parameter `name`; for an expert
@@ -101,7 +110,7 @@ class ShardedAdamW:
         param = self._by_name[name]
         expert = name in self._expert_names
         for opt in self.optimizers:
-            if not isinstance(opt, ZeroRedundancyOptimizer):
+            if not self._is_zero(opt):
                 if any(param is p for g in opt.param_groups for p in g["params"]):
                     return ep_rank if expert else 0  # an unsharded group of one
                 continue
