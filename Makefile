@@ -24,7 +24,7 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-# The unit tier, for your own feedback loop (4-5 minutes on the 2-core VM): every test but those that
+# The unit tier, for your own feedback loop (3-4 minutes on the 2-core VM): every test but those that
 # start real processes (integration) and the crash sweep (slow).
 test-fast: setup
 	$(PY) -m ruff check .
