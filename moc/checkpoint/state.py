@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ from moc.checkpoint.shards import (
     agreed_placements,
     extent,
     is_dtensor,
+    is_instance_of_loaded,
     local,
     refusal,
     report,
@@ -158,8 +158,8 @@ def as_optimizer_state(optimizer: object, model: nn.Module) -> OptimizerState:
         return NoOptimizer()
     if isinstance(optimizer, OptimizerState):
         return optimizer
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+    if is_instance_of_loaded(optimizer, "torch.distributed.optim",
+                             "ZeroRedundancyOptimizer"):
         return TorchOptimizerState(optimizer.optim, model, groups=optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         return TorchOptimizerState(optimizer, model)
@@ -915,11 +915,8 @@ def _check_sharded(model: nn.Module) -> None:
     """UnsupportedLayoutError for an FSDP2 module whose parameters are unsharded now
     (built between a forward and its backward, or under `unshard()`): the engine keeps
     the parameters it sees when it is built, and those would not be the optimizer's."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # a module is FSDP2's once it is
-    if fsdp is None:  # imported (not imported here: `shards.is_dtensor`)
-        return
     for name, module in model.named_modules():
-        if isinstance(module, fsdp.FSDPModule) and any(
+        if is_instance_of_loaded(module, "torch.distributed.fsdp", "FSDPModule") and any(
                 not is_dtensor(p) for p in module.parameters(recurse=False)):
             raise UnsupportedLayoutError(
                 f"the FSDP2 module {name or type(model).__name__!r} holds unsharded "

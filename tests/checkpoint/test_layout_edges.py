@@ -223,6 +223,11 @@ def _one_rank_refuses(rank: int, world: int, root: str) -> list[str]:
     # ExpertSpec.infer, before any collective of the engine's own.
     model = tm.build(mesh)  # collective: built by every rank
     refused(model if rank != 1 else nn.Sequential(nn.Linear(tm.D, tm.D)))
+    # An FSDP2 module whose parameters are unsharded now (under `unshard()`), on every
+    # rank: found without moc importing FSDP itself (`shards.is_instance_of_loaded`).
+    model = tm.build(mesh)
+    model.head.unshard()
+    refused(model)
     return out
 
 
@@ -230,11 +235,15 @@ def _one_rank_refuses(rank: int, world: int, root: str) -> list[str]:
 def test_a_layout_refused_on_some_ranks_is_the_same_one_line_on_every_rank(tmp_path):
     results = run_ranks(_one_rank_refuses, 3, str(tmp_path / "ckpt"))
     assert all(r == results[0] for r in results), results  # no gloo error on any peer
-    partial, lopsided, misshapen, no_experts = results[0]
+    partial, lopsided, misshapen, no_experts, unsharded = results[0]
     for message in (partial, lopsided, misshapen):
         assert message.startswith("UnsupportedLayoutError: ") and "\n" not in message
     assert no_experts.startswith("ValueError: rank 1: ExpertSpec.infer found no expert "
                                  "container in Sequential"), no_experts
+    assert unsharded == ("UnsupportedLayoutError: the FSDP2 module 'head' holds unsharded "
+                         "parameters now; build the checkpointer when the model is sharded: "
+                         "after fully_shard, before the first forward or after a backward"), \
+        unsharded
     assert partial.startswith("UnsupportedLayoutError: rank 1: value.weight: placements "
                               "(Partial(sum),)"), partial
     assert lopsided == ("UnsupportedLayoutError: value.weight is a DTensor sharded over the "
