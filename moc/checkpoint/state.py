@@ -170,24 +170,42 @@ def as_optimizer_state(optimizer: object, model: nn.Module) -> OptimizerState:
 
 def load_named_state(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
                      states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Replace the state of every parameter of `optimizer` by `states[name]` (copied to
-    the parameter's device; scalars such as AdamW's `step` stay on the CPU)."""
+    """Replace the state of every parameter of `optimizer` by `states[name]`, each entry
+    copied to where torch's own `load_state_dict` puts it (`placed_like_torch`)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer.state.pop(p, None)
             state = states.get(name_of[id(p)])
             if state:
-                optimizer.state[p] = {k: _like_param(v, p) for k, v in state.items()}
+                optimizer.state[p] = {k: placed_like_torch(k, v, p, group)
+                                      for k, v in state.items()}
 
 
-def _like_param(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Optimizer state `v` (this rank's piece) as the optimizer keeps it for `p`: on its
-    device, and a DTensor laid out as `p` when `p` is one (torch's optimizers compute
-    with the state and the parameter together); a scalar (AdamW's `step`) on the CPU."""
-    if not v.dim():
-        return v.to("cpu").clone()
-    v = v.to(p.device).clone()
-    if is_dtensor(p):
+def placed_like_torch(key: str, v: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
+                      ) -> torch.Tensor:
+    """Optimizer state entry `key` of `p` (`v`: this rank's piece, as read) on the device
+    and in the dtype torch's `Optimizer.load_state_dict` gives it
+    (`Optimizer._process_value_according_to_param_policy`), always a copy.
+
+    Design note. torch's rule, mirrored: `step` in float32 on the parameter's device when
+    its group is `fused` or `capturable` (their kernels read it there: a capturable
+    AdamW asserts at its first step when it is on the host), else as stored (on the
+    host); any other entry on the parameter's device, in the parameter's dtype when that
+    is floating point (a bf16 model's moments are bf16, whatever run wrote them). torch
+    reads the flags of the groups it loads; moc keeps the restoring process's own
+    (IMPLEMENTATION_FLAGS are never restored), so those choose here: they decide which
+    kernels will read the state. A DTensor parameter's non-scalar state is a DTensor laid
+    out as the parameter (torch's optimizers compute with both together); a scalar is a
+    plain tensor on its local device, as torch's optimizers create `step` for a DTensor
+    (`torch.zeros((), device=p.device)`). The copy is not optional: `.to()` returns its
+    input when nothing changes, and a view into a mapped file (a snapshot, a checkpoint
+    read with mmap) must never become state the optimizer updates in place."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return v.to(dtype=torch.float32, device=p.device, copy=True)
+        return v.clone()
+    v = v.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None, copy=True)
+    if is_dtensor(p) and v.dim():
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
