@@ -9,7 +9,9 @@ terminal.
             bar.write("a line")      # printed above the bar (or plainly, without one)
 
 The bar is drawn by tqdm, and only where someone watches: when the stream (stderr) is a
-terminal, `CI` is not set and the caller did not pass `disable=True` (`--no-progress`).
+terminal, `CI` is not set, the caller did not pass `disable=True` (`--no-progress`) and
+tqdm is installed (it is imported only to draw a bar: a machine with torch alone, such as
+a lent GPU running `scripts/gpu_check.sh`, runs everything without bars).
 Otherwise nothing is drawn and nothing is written except what `write` is given, so logs,
 pipes and the tests that parse them see exactly what they saw before bars existed.
 """
@@ -19,9 +21,10 @@ from __future__ import annotations
 import os
 import sys
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 BAR_ROWS = 20
 """The terminal height tqdm is told: any height above one row shows our single bar."""
@@ -34,7 +37,16 @@ def wanted(stream: TextIO | None = None, disable: bool = False) -> bool:
     if disable or os.environ.get("CI"):
         return False
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    return bool(isatty and isatty()) and _tqdm() is not None
+
+
+def _tqdm() -> type[tqdm] | None:
+    """tqdm's bar class, or None where tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
 
 
 class Progress:
@@ -48,8 +60,10 @@ class Progress:
         if wanted(self.stream, disable):
             # nrows: one bar needs one row, and a terminal that reports a height of 0
             # (`script`, some containers) would make tqdm hide it as off-screen.
-            self._bar = tqdm(total=total, desc=desc, unit=unit, initial=initial,
-                             file=self.stream, nrows=BAR_ROWS, leave=True)
+            bar = _tqdm()
+            assert bar is not None, "wanted() found it"
+            self._bar = bar(total=total, desc=desc, unit=unit, initial=initial,
+                            file=self.stream, nrows=BAR_ROWS, leave=True)
 
     @property
     def active(self) -> bool:

@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from moc.model.transformer import MODEL_TYPE, ModelConfig, Transformer
 
@@ -90,6 +88,25 @@ def stored_config(path: Path) -> ModelConfig | None:
     return ModelConfig(**{k: v for k, v in d.items() if k in fields})
 
 
+class _SafetensorError(Exception):
+    """safetensors' refusal of a file (its SafetensorError), as `load_file` raises it."""
+
+
+def load_file(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, by the safetensors package, imported here and not
+    with moc (a machine with torch alone still imports and trains with moc)."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file as load
+    except ImportError:
+        raise ImportError(f"{file} is a safetensors file: reading it needs the safetensors "
+                          "package (pip install safetensors)") from None
+    try:
+        return load(file)
+    except SafetensorError as e:
+        raise _SafetensorError(str(e)) from None
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of an export, from whichever format it was written in."""
     try:
@@ -105,7 +122,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             return load_file(path / SAFETENSORS)
         if (path / TORCH).is_file():
             return torch.load(path / TORCH, map_location="cpu", weights_only=True)
-    except (OSError, KeyError, SafetensorError, TypeError) as e:
+    except (OSError, KeyError, TypeError, _SafetensorError) as e:
         raise ValueError(f"cannot read the weights in {path}: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     raise ValueError(f"{path} holds no weights ({INDEX}, {SAFETENSORS} or {TORCH}): is it "

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import crc32c as _crc32c
 import torch
 import xxhash
 
@@ -116,13 +115,27 @@ class Digest:
         if self._xxh is not None:
             self._xxh.update(data)
         elif self.algo == CRC32C:
-            self._crc = _crc32c.crc32c(data, self._crc)
+            self._crc = _crc32c().crc32c(data, self._crc)
         else:
             self._crc = zlib.crc32(data, self._crc)
 
     @property
     def value(self) -> int:
         return self._xxh.intdigest() if self._xxh is not None else self._crc
+
+
+def _crc32c() -> Any:
+    """The `crc32c` package, imported when a format-3 checkpoint is read, not with moc:
+    nothing moc writes needs it, and a machine without it (a lent GPU with only torch)
+    must still import moc and take checkpoints. ImportError in one line when a
+    checkpoint that needs it is read without it."""
+    try:
+        import crc32c
+    except ImportError:
+        raise ImportError("this checkpoint's checksums are CRC32C (format version 3, "
+                          "written by moc before XXH3): reading it needs the crc32c "
+                          "package (pip install crc32c)") from None
+    return crc32c
 
 
 def digest(data: memoryview | bytes, algo: str = CHECKSUM) -> int:
@@ -146,7 +159,7 @@ def checksum(dtype: str, shape: tuple[int, ...], data_digest: int, algo: str = C
     if algo == XXH3:
         return xxhash.xxh3_64_intdigest(descriptor(dtype, shape), seed=data_digest)
     if algo == CRC32C:
-        return _crc32c.crc32c(descriptor(dtype, shape), data_digest)
+        return _crc32c().crc32c(descriptor(dtype, shape), data_digest)
     if algo == CRC32:
         return zlib.crc32(descriptor(dtype, shape), data_digest)
     raise ValueError(f"unknown checksum algorithm {algo!r}, expected one of {ALGORITHMS}")
