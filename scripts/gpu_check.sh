@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# The GPU check (issue 39), one prepared script that fits a 15-minute device lease: the
-# CUDA tests (nothing on the training thread waits for the device, slots pinned before
-# the first checkpoint, a SIGKILL between capture and seal), a SIGKILLed run resumed
-# bitwise from memory, every step paired at gpu-400m and gpu-800m (`moc bench loop`),
-# and the four strategies at a checkpoint every 5 steps on bench and gpu-400m
-# (`moc bench overhead --nproc 1`). Writes its figures as JSON: $OUT/gpu-check.json.
+# The GPU check (issues 39 and 45), one prepared script that fits a 15-minute device lease:
+# the CUDA tests (nothing on the training thread waits for the device, slots pinned before
+# the first checkpoint and after a memory restore, fused and capturable AdamW and dropout
+# resumed bitwise, a SIGKILL between capture and seal), a SIGKILLed run resumed bitwise
+# from memory, the capture after a memory restore against pinned device-to-host, with two
+# GPUs a rank SIGKILLed and recovered by restart and in-job (NCCL), every step paired at
+# gpu-400m and gpu-800m (`moc bench loop`), and none / dcp-async / moc at a checkpoint
+# every 5 steps on gpu-400m and bench. Writes its figures, every criterion and the
+# verdict as JSON: $OUT/gpu-check.json. Its last line is the verdict: PASS (every
+# criterion measured and met), FAIL (names each one not met) or NOT MEASURED (names each
+# one missing); it exits 0, 1 or 2.
 #
 #   scripts/gpu_check.sh [OUT] [BUDGET_S]     (default OUT: ./gpu-check, budget 540 s)
 #
 # Runs with the machine's own python3 and torch, offline: no venv, nothing installed
-# from a registry. moc runs from this checkout (PYTHONPATH); its C extension is built
-# in place with the machine's compiler, and without one moc's Python fallbacks run (the
-# JSON says which). A section that would not fit the budget is skipped and said so.
+# from a registry (crc32c, safetensors and tqdm are not needed; the JSON says which
+# packages were there). moc runs from this checkout (PYTHONPATH); its C extension is
+# built in place with the machine's compiler, and without one moc's Python fallbacks run
+# (the JSON says which). Each section runs in a session of its own, killed whole at its
+# time limit, with its own temporary directory and shared-memory root, removed after it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check}}

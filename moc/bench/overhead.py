@@ -596,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--png", type=Path, help="bar chart of stall and throughput (matplotlib)")
     p.add_argument("--workdir", type=Path, help="checkpoint location (default: a temp dir)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="each run keeps this many checkpoints (moc train --keep-last); "
+                        "default: all. On a GPU preset every full checkpoint is GBs: "
+                        "scripts/gpu_check.sh keeps 2")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (drawn only on a terminal, never under CI)")
     args = p.parse_args(argv)
@@ -620,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--nodes", str(args.nodes), "--nproc", str(args.nproc), "--config",
               args.config, "--steps", str(steps), "--ckpt-interval", str(args.interval),
               "--device", device]
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            p.error(f"--keep-last must be >= 1, got {args.keep_last}")
+        common += ["--keep-last", str(args.keep_last)]
     t0 = time.perf_counter()
     n_runs = args.repeat * len(args.strategies)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, \
@@ -652,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {"preset": args.config, "nodes": args.nodes, "nproc": args.nproc,
                          "device": device, "steps": steps,
                          "interval": args.interval, "repeat": args.repeat,
-                         "paired": args.paired,
+                         "paired": args.paired, "keep_last": args.keep_last,
                          "wall_s": time.perf_counter() - t0},
               "limits": limits, "strategies": strategies,
               # Each round's figures: on a shared machine the spread between rounds is

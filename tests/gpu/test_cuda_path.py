@@ -1,14 +1,21 @@
 """The two-level engine on a CUDA device: nothing on the training thread waits for the
-device, the slots are pinned before the first checkpoint, and a snapshot restores bit for
-bit. Skipped without a GPU; scripts/gpu_check.sh runs them where one is lent.
+device, the slots are pinned before the first checkpoint and again after a restore from
+memory, and a snapshot restores bit for bit. Skipped without a GPU; scripts/gpu_check.sh
+runs them where one is lent.
 
 The model here is an MoE written to never synchronise (dense dispatch: every expert runs
 on every token, weighted by a top-k gate), so that a whole training step, the engine's
 calls and the routing hooks in the forward included, runs under
-`torch.cuda.set_sync_debug_mode("error")`: any call that waits for the device raises.
+`torch.cuda.set_sync_debug_mode("error")`, which raises at a copy to the host or an
+`.item()`, and under `waits_recorded`, which records what sync-debug mode does not see:
+a stream's, an event's or the device's `synchronize()` called on the training thread.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -86,6 +93,28 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:-1], x[1:]
 
 
+@contextlib.contextmanager
+def waits_recorded() -> Iterator[list[str]]:
+    """Every `synchronize()` of a stream, an event or the device called on this thread
+    meanwhile (the snapshot thread's own waits are its business, not training's)."""
+    me = threading.current_thread()
+    waits: list[str] = []
+
+    def recording(name: str, original):
+        def wait(*args, **kwargs):
+            if threading.current_thread() is me:
+                waits.append(name)
+            return original(*args, **kwargs)
+        return wait
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, attr, name in ((torch.cuda.Event, "synchronize", "Event.synchronize"),
+                                  (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+                                  (torch.cuda, "synchronize", "torch.cuda.synchronize")):
+            patch.setattr(owner, attr, recording(name, getattr(owner, attr)))
+        yield waits
+
+
 def _step(model, opt, ckpt, step: int) -> torch.Tensor:
     x, y = _batch(step)
     loss = model(x, y)
@@ -100,8 +129,7 @@ def _step(model, opt, ckpt, step: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
-def test_a_checkpointed_step_never_waits_for_the_device(tmp_path, monkeypatch, tensor_lr):
-    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+def test_a_checkpointed_step_never_waits_for_the_device(tmp_path, tensor_lr):
     model, opt, spec = _build(tensor_lr)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", experts=spec,
                                 policy=PECPolicy(k=1), interval=1)
@@ -111,10 +139,12 @@ def test_a_checkpointed_step_never_waits_for_the_device(tmp_path, monkeypatch, t
     losses = []
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3, 9):  # forward, backward, the engine's calls, the optimizer
-            losses.append(_step(model, opt, ckpt, step))
+        with waits_recorded() as waits:
+            for step in range(3, 9):  # forward, backward, the engine's calls, the optimizer
+                losses.append(_step(model, opt, ckpt, step))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert waits == [], f"the training thread waited for the device: {waits}"
     ckpt.flush()
     results = ckpt.drain_completed()
     assert [r.step for r in results if r.error is None][-1] == 8
@@ -136,8 +166,7 @@ def test_a_checkpointed_step_never_waits_for_the_device(tmp_path, monkeypatch, t
     again.close()
 
 
-def test_the_slots_are_pinned_and_ready_before_the_first_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "shm"))
+def test_the_slots_are_pinned_and_ready_before_the_first_checkpoint(tmp_path):
     model, opt, spec = _build(False)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", experts=spec,
                                 policy=PECPolicy(k=1), interval=4)
@@ -153,3 +182,29 @@ def test_the_slots_are_pinned_and_ready_before_the_first_checkpoint(tmp_path, mo
     for r in results:  # nothing left to reserve, map or pin at a checkpoint
         assert r.phases["snapshot"].get("reserve", [0.0])[0] < 0.05, r.phases
     ckpt.close()
+
+
+def test_the_slots_are_pinned_again_after_a_restore_from_memory(tmp_path):
+    """A restore maps the slots it reads without pinning them (it only reads); the copies
+    that follow it must still be asynchronous DMA into pinned memory."""
+    model, opt, spec = _build(False)
+    ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", experts=spec,
+                                policy=PECPolicy(k=1), interval=1)
+    for step in range(1, 5):
+        _step(model, opt, ckpt, step)
+    ckpt.flush()
+    ckpt.drain_completed()
+    ckpt.close(keep_snapshots=True)  # as after a crash: memory survives
+    model2, opt2, spec2 = _build(False)
+    again = TwoLevelCheckpointer(model2, opt2, tmp_path / "ckpt", experts=spec2,
+                                 policy=PECPolicy(k=1), interval=1)
+    report = again.restore()
+    assert (report.step, report.source) == (4, "memory")
+    for step in range(5, 9):  # into every slot, the ones the restore read first
+        _step(model2, opt2, again, step)
+    again.flush()
+    results = again.drain_completed()
+    assert [r.step for r in results if r.error is None] == [5, 6, 7, 8]
+    store = again.snapshots.store
+    assert store.pinned is True and len(store._maps) == 3
+    again.close()
