@@ -25,9 +25,18 @@ from typing import NoReturn
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
 from moc.train.cli_args import add_train_args, config_from_args
-from moc.train.injob import REJOIN_STATUS, first_line, is_standby, lost_peer, standby_wait
+from moc.train.engines import prepare_standby
+from moc.train.injob import (
+    ENV_GEN,
+    REJOIN_STATUS,
+    first_line,
+    is_standby,
+    lost_peer,
+    nccl_note,
+    standby_wait,
+)
 from moc.train.injob import enabled as in_job
-from moc.train.loop import NothingToTrain, Trainer, prepare_standby
+from moc.train.loop import NothingToTrain, Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         try:
-            trainer = Trainer(config_from_args(args), preemption, corpus=corpus)
+            cfg = config_from_args(args)
+            note = in_job() and nccl_note(cfg.device, int(os.environ.get("RANK", "0")),
+                                          int(os.environ.get(ENV_GEN, "0")))
+            if note:
+                print(note, file=sys.stderr, flush=True)
+            trainer = Trainer(cfg, preemption, corpus=corpus)
             result = trainer.run()  # and closes it: collective, when every rank got here
         except Exception as e:
             if in_job() and lost_peer(e):
@@ -62,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError) as e:
         return _leave(2, f"moc train: error: {e}")
     except RuntimeError as e:
-        # A peer died (a fault): gloo reports it as a broken connection. Say so in one
-        # line and exit; torchrun restarts the whole job if --max-restarts allows.
-        if "Connection" not in str(e):
+        # A peer died (a fault): gloo reports it as a broken connection, NCCL as an
+        # aborted communicator or a remote error (`lost_peer`). Say so in one line and
+        # exit; torchrun restarts the whole job if --max-restarts allows.
+        if "Connection" not in str(e) and not lost_peer(e):
             raise
         reason = re.search(r"Connection[^.\n]*", str(e))
         return _leave(1, f"moc train: rank {os.environ.get('RANK', '?')} lost a peer "
-                         f"({reason.group(0) if reason else 'connection error'}); exiting")
+                         f"({reason.group(0) if reason else first_line(e)}); exiting")
     if result.preempted is None:
         return 0
     sig = preemption.agreed  # maybe another rank's: this one may have received none

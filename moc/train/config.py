@@ -157,7 +157,8 @@ class TrainConfig:
     """How a fault is recovered: "restart" (torchrun restarts every worker, up to
     --max-restarts), "in-job" (each rank's host replaces only the lost or hung
     process; the survivors keep theirs: moc.train.host), or "auto": in-job for more
-    than one rank, restart for one (see `resolve_recovery`)."""
+    than one rank on cpu, restart for one and on cuda until in-job over NCCL has run on
+    GPUs (see `resolve_recovery`)."""
     spares: int | None = None
     """in-job: standby processes per rank, imported and waiting (0 or 1). None: one on
     cuda, none on cpu (see `resolve_spares`)."""
@@ -266,27 +267,34 @@ class TrainConfig:
 
     def resolve_recovery(self, world: int) -> str:
         """The recovery a job of `world` ranks gets: the one asked for, or for "auto"
-        in-job when there is more than one rank (a fault costs the lost rank only: the
-        survivors keep their processes, memory and CUDA contexts) or when an option that
-        only in-job has was given (spares, a hang timeout, a hang or machine fault), and
-        restart otherwise. One rank gains nothing from a host: torchrun's restart is the
-        same single replacement without the extra process. The DCP baselines restart."""
+        in-job when there is more than one rank on cpu (a fault costs the lost rank
+        only: the survivors keep their processes and memory) or when an option that
+        only in-job has was given (spares, a hang timeout, a hang or machine fault: an
+        explicit ask, on cuda too), and restart otherwise. On cuda in-job is opt-in
+        until a run on two GPUs has shown it: a survivor's NCCL communicators are
+        aborted and re-formed (`moc.train.injob.Communicators`), which only gloo has run
+        (`injob.nccl_note` says so when it runs). One rank gains nothing from a host:
+        torchrun's restart is the same single replacement without the extra process.
+        The DCP baselines restart."""
         if self.recovery != "auto":
             return self.recovery
         if self.spares or self.hang_timeout is not None or self.fault_kind in ("hang",
                                                                                "machine"):
             return "in-job"
+        if self.device == "cuda":
+            return "restart"
         return "in-job" if world > 1 and self.ckpt_mode not in DCP_MODES else "restart"
 
     def resolve_spares(self, recovery: str) -> int:
         """The standbys per rank: the number asked for, or, not given, one per rank under
-        in-job recovery on cuda and none otherwise. A standby has imported torch and moc
-        and loaded the data, and holds no CUDA context until it takes a rank's place, so
-        on a GPU node it costs host memory only (measured on cpu: 295 MB private, plus
-        203 MB for its persist process) and cuts a fault's downtime to the rejoin (0.43-
-        0.62 s against 3.7-4.7 s from a new process, on the project's VM); a new process
-        on a GPU also pays CUDA's start-up. On cpu, where moc trains small models on a
-        few cores, the standbys' start-up competes with the ranks' own: none by default."""
+        in-job recovery on cuda (asked for: "auto" restarts there) and none otherwise. A
+        standby has imported torch and moc and loaded the data, and holds no CUDA context
+        until it takes a rank's place, so on a GPU node it costs host memory only (measured
+        on cpu: 295 MB private, plus 203 MB for its persist process) and cuts a fault's
+        downtime to the rejoin (0.43-0.62 s against 3.7-4.7 s from a new process, on the
+        project's VM); a new process on a GPU also pays CUDA's start-up. On cpu, where moc
+        trains small models on a few cores, the standbys' start-up competes with the ranks'
+        own: none by default."""
         if self.spares is not None:
             return self.spares
         return 1 if recovery == "in-job" and self.device == "cuda" else 0

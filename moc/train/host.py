@@ -14,8 +14,9 @@ re-form their process groups with the newcomer without leaving their processes.
 
 A hang is a fault too. The training process writes a heartbeat every 0.1 s (`injob`);
 the host SIGKILLs it, and replaces it, when the heartbeats stop (SIGSTOP, a frozen
-process) or when its step stops advancing while it is training and not waiting in a
-collective (an endless loop in user code), for the hang timeout: `--hang-timeout`, by
+process) or when its step stops advancing while it is training, or leaving a lost
+generation, and not waiting in a collective (an endless loop in user code; an abandon
+held by a device wait), for the hang timeout: `--hang-timeout`, by
 default HANG_FACTOR times the median step time the process reports, at least
 HANG_FLOOR_S (START_HANG_S before any step was timed).
 
@@ -79,6 +80,13 @@ touch of its memory, a slow persist under --persist-policy wait or a data loader
 stall are legitimate pauses that a frozen process's silence is not."""
 START_HANG_S = 120.0
 """Before the training process has timed a step: start-up, the restore, the first step."""
+STEPPING = ("train", "leave")
+"""Phases in which a process that neither advances nor waits for a peer hangs: training
+(an endless loop in user code), and leaving a lost generation (its groups dropped, its
+engine abandoned: a snapshot thread that waits on the device behind a kernel no abort
+ended holds the abandon for ever). Start-up, the restore, a rejoin's wait for its
+generation's ranks (a replacement machine may take minutes) are watched for heartbeats
+only."""
 POLL_S = 0.02
 BOOT = """\
 import importlib.util, os, runpy, sys
@@ -131,7 +139,8 @@ class Child:
         for line in lines:
             beat = json.loads(line)
             if (beat.get("step") != self.last.get("step") or beat.get("waiting")
-                    or beat.get("phase") != "train"):
+                    or beat.get("phase") != self.last.get("phase")
+                    or beat.get("phase") not in STEPPING):
                 self.progress = now
             self.beat, self.last = now, beat
 
@@ -146,8 +155,10 @@ class Child:
         if silent > (limit if self.beat is not None else max(limit, START_HANG_S)):
             return f"no heartbeat for {silent:.1f}s"
         stalled = now - self.progress
-        if self.last.get("phase") == "train" and stalled > max(limit, PROGRESS_FLOOR_S):
-            return (f"no step for {stalled:.1f}s (at step {self.last.get('step')}, not "
+        phase = self.last.get("phase")
+        if phase in STEPPING and stalled > max(limit, PROGRESS_FLOOR_S):
+            what = "no step" if phase == "train" else "no progress leaving its generation"
+            return (f"{what} for {stalled:.1f}s (at step {self.last.get('step')}, not "
                     "waiting for a peer)")
         return None
 

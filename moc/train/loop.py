@@ -189,14 +189,6 @@ def leave_if_stopped(preemption: Preemption | None, ckpt_dir: str | None) -> Non
                          f"{ckpt_dir}")
 
 
-def prepare_standby(cfg: TrainConfig) -> Corpus:
-    """What a spare does while it waits (in-job recovery), so that none of it stands
-    between a fault and the next step: the data loaded, and torch's deterministic
-    mode set (its first call costs 0.7 s on the project's VM)."""
-    torch.use_deterministic_algorithms(True)
-    return Corpus.load(cfg.data, cfg.model.seq_len)
-
-
 class NothingToTrain(ValueError):
     """The checkpoint directory's run is already past the steps asked for (raised on every
     rank, after the restore: the engine is still to be closed)."""
@@ -347,14 +339,15 @@ class Trainer:
                 lost = e
 
     def rejoin(self, error: BaseException) -> None:
-        """A peer was lost: destroy the process groups (so that a survivor blocked on
-        this rank fails too), let the engine go without a collective (its snapshots stay
-        in memory), form the next generation with the replacement, and rebind the same
-        model and optimizer to its groups. `run` then restores, every rank from where
-        its newest state is: this one from its own node's memory."""
+        """A peer was lost: drop the process groups (`Membership.leave`: on NCCL aborted
+        first, which also ends a kernel the snapshot thread's `ready` event waits behind),
+        let the engine go without a collective (its snapshots stay in memory), form the
+        next generation with the replacement, and rebind the same model and optimizer
+        to its groups. `run` then restores, every rank from where its newest state is:
+        this one from its own node's memory."""
         membership = self.membership
         assert membership is not None
-        membership.phase = "rejoin"
+        membership.phase = "leave"  # watched by the host: an abandon that hangs is a hang
         if self.is_main:
             print(f"moc train: rank {self.rank}: lost a peer at step {self.step} "
                   f"({first_line(error)}); rejoining", file=sys.stderr, flush=True)
@@ -365,6 +358,7 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
+        membership.phase = "rejoin"
         membership.join("nccl" if self.cfg.device == "cuda" else "gloo", self._stopping)
         self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
         rebind_experts(self.model, self.groups)
@@ -432,6 +426,8 @@ class Trainer:
                                self.attempt, progress)
             t_step = time.perf_counter()
             loss, tokens = self.train_step()
+            if self.membership is not None:
+                self.membership.check()  # NCCL: a loss freed by an abort is no loss
             # Every rank, every step: whether a SIGTERM or SIGINT reached any rank. The
             # answer is agreed, so every rank stops at this same step.
             stop = self.preemption is not None and self.preemption.should_stop()
@@ -475,6 +471,8 @@ class Trainer:
             self.model.eval()
             result.val_loss = validation_loss(self.model, self.corpus, self.cfg, self.groups,
                                               self.device)
+            if self.membership is not None:
+                self.membership.check()
         result.wall_s = time.perf_counter() - t0
         memory: dict[str, Any] = {
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

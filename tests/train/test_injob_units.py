@@ -115,6 +115,22 @@ def test_a_step_that_does_not_come_is_a_hang_unless_the_rank_waits_for_a_peer(ch
     assert c.hung(0.3) is None
 
 
+def test_a_process_that_does_not_get_out_of_a_lost_generation_hangs(child):
+    """Leaving (groups dropped, engine abandoned) is watched as training is: a snapshot
+    thread behind a kernel that no abort ended would hold the abandon for ever."""
+    c, fd = child
+    beat(c, fd, step=9)
+    beat(c, fd, step=9, phase="leave")  # a new phase: progress
+    assert c.hung(0.3) is None
+    c.progress -= host.PROGRESS_FLOOR_S + 1
+    assert c.hung(0.3).startswith("no progress leaving its generation for")
+    beat(c, fd, step=9, phase="leave", waiting=True)  # a thread waits in a collective
+    assert c.hung(0.3) is None
+    beat(c, fd, step=9, phase="rejoin")  # waiting for its generation's ranks: liveness
+    c.progress -= 1000
+    assert c.hung(0.3) is None
+
+
 def test_the_default_timeout_follows_the_step_time_above_a_floor(child):
     c, fd = child
     assert c.hung(None) is None  # starting: START_HANG_S before the first heartbeat
@@ -195,10 +211,12 @@ def test_the_form_timeout_follows_the_step_time_with_a_floor():
     assert m.form_timeout_s() == FORM_FLOOR_S
 
 
-def test_recovery_is_in_job_for_more_than_one_rank_unless_asked_otherwise():
+def test_recovery_is_in_job_for_more_than_one_rank_on_cpu_unless_asked_otherwise():
     cfg = TrainConfig.from_preset("tiny")
-    assert cfg.recovery == "auto"
+    assert (cfg.recovery, cfg.device) == ("auto", "cpu")
     assert (cfg.for_world(2).recovery, cfg.for_world(8).recovery) == ("in-job", "in-job")
+    # On cuda in-job is asked for until it has run on GPUs (test_injob_nccl).
+    assert TrainConfig.from_preset("tiny", device="cuda").for_world(2).recovery == "restart"
     # One rank gains nothing from a host; the DCP baselines cannot recover in-job.
     assert cfg.for_world(1).recovery == "restart"
     assert TrainConfig.from_preset("tiny", ckpt_mode="dcp-sync").for_world(2).recovery \
@@ -214,9 +232,11 @@ def test_recovery_is_in_job_for_more_than_one_rank_unless_asked_otherwise():
 
 def test_a_standby_is_the_default_on_cuda_only_and_only_in_job():
     """A standby holds no CUDA context until it takes a rank's place: host memory only."""
-    cpu, cuda = (TrainConfig.from_preset("tiny", device=d) for d in ("cpu", "cuda"))
+    cpu, cuda = (TrainConfig.from_preset("tiny", device=d, recovery="in-job")
+                 for d in ("cpu", "cuda"))
     assert (cpu.for_world(2).spares, cuda.for_world(2).spares) == (0, 1)
-    assert cuda.for_world(1).spares == 0  # restart: no host, no standby
+    auto = TrainConfig.from_preset("tiny", device="cuda")
+    assert auto.for_world(1).spares == auto.for_world(2).spares == 0  # restart: no host
     assert TrainConfig.from_preset("tiny", device="cuda", spares=0).for_world(2).spares == 0
     with pytest.raises(ValueError, match="--spares and --hang-timeout are for --recovery"):
         TrainConfig.from_preset("tiny", recovery="restart", spares=1)
