@@ -170,6 +170,7 @@ class SnapshotStore:
         self._maps: dict[int, torch.Tensor] = {}
         self._inodes: dict[int, int] = {}  # the file each mapping maps
         self._pinned: set[int] = set()
+        self._writable: set[int] = set()  # mappings made ready for writing (`_map`)
         self._views: dict[int, dict[str, SlotView]] = {}  # per mapping, reused
         self._reserved = -1  # the slot size every free slot has been prepared at
 
@@ -191,7 +192,11 @@ class SnapshotStore:
     def prepare(self, size: int, stop: Callable[[], bool] | None = None) -> None:
         """Make every slot that holds no snapshot ready for snapshots of `size` bytes, once
         per size: reserved in shared memory, mapped, faulted in and, for a GPU, pinned. A
-        slot holding a complete snapshot (a recovery source) is left as it is.
+        slot holding a complete snapshot (a recovery source) keeps its bytes and size: it
+        is only pinned (for a GPU), so that the capture that later overwrites it is
+        asynchronous DMA like any other (a restore from memory maps those slots to read
+        them, unpinned: before issue 45 they stayed so, and every copy into them was
+        pageable, about 4x slower, without a word).
 
         Done ahead of the snapshots that need it (the engine calls it on the snapshot
         thread after the first optimizer step, when the state's size is known), because
@@ -208,6 +213,10 @@ class SnapshotStore:
                 return
             if slot not in headers:
                 self._map(slot, size, allocate=True)
+            elif self.pin is not None:  # pinning locks its pages; it writes none
+                held = self._maps.get(slot)
+                self._pin(slot, held if held is not None
+                          else self._map(slot, self.bin_path(slot).stat().st_size))
         self._reserved = slot_capacity(size)
 
     def open(self, slot: int, tensors: dict[str, torch.Tensor],
@@ -222,7 +231,7 @@ class SnapshotStore:
         self.header_path(slot).unlink(missing_ok=True)
         offsets, size = slot_layout(sizing if sizing is not None else tensors)
         held = self._maps.get(slot)
-        ready = held is not None and held.numel() >= size
+        ready = held is not None and held.numel() >= size and slot in self._writable
         buf = self._map(slot, size, allocate=True)
         self.prepare(size)
         cache = self._views.setdefault(slot, {})
@@ -257,9 +266,20 @@ class SnapshotStore:
         and a full /dev/shm would otherwise kill the process with SIGBUS mid-copy instead
         of failing here with ENOSPC), faulted in and pinned (`pin`); a slot that is
         already large enough is used as it is. A reader maps the file as it is (`size`:
-        its length), never resizing it."""
+        its length), never resizing it.
+
+        A reader's mapping that a writer then asks for (a restore from memory read the
+        slot, the next capture overwrites it) is made ready for writing once: its pages
+        reserved and, for a GPU, pinned."""
         buf = self._maps.get(slot)
         if buf is not None and (buf.numel() >= size if allocate else buf.numel() == size):
+            if allocate and slot not in self._writable:
+                try:
+                    self._reserve(self.bin_path(slot), buf.numel())
+                except CheckpointError:  # the file may be truncated: never touch the map
+                    self._unmap(slot)
+                    raise
+                self._ready_for_writing(slot, buf)
             return buf
         self._unmap(slot)
         self._secure(create=True)
@@ -269,11 +289,18 @@ class SnapshotStore:
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = buf
         self._inodes[slot] = path.stat().st_ino
-        if allocate and self.pin is not None:
-            self._pin(slot, buf)  # faults every page in, as it locks it
-        elif allocate:
-            _fault_in(buf)
+        if allocate:
+            self._ready_for_writing(slot, buf)
         return buf
+
+    def _ready_for_writing(self, slot: int, buf: torch.Tensor) -> None:
+        """Pin a mapping that copies will fill (faulting every page in, as it locks it),
+        or, with no GPU to pin for, fault it in."""
+        if self.pin is not None:
+            self._pin(slot, buf)
+        else:
+            _fault_in(buf)
+        self._writable.add(slot)
 
     def _reserve(self, path: Path, size: int) -> int:
         """Make the slot file `path` at least `size` bytes with every page of it reserved
@@ -314,8 +341,9 @@ class SnapshotStore:
         buf = self._maps.pop(slot, None)
         self._views.pop(slot, None)
         if buf is not None and slot in self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            unregister_host(buf)
         self._pinned.discard(slot)
+        self._writable.discard(slot)
 
     def _pin(self, slot: int, buf: torch.Tensor) -> None:
         """Register a slot's mapping with CUDA, so device-to-host copies into it are
@@ -325,9 +353,8 @@ class SnapshotStore:
         if slot in self._pinned or buf.numel() == 0:
             return
         assert self.pin is not None
-        with torch.cuda.device(self.pin):
-            rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-        if int(rc) == 0:
+        rc = register_host(buf, self.pin)
+        if rc == 0:
             self._pinned.add(slot)
             return
         message = (f"could not pin the snapshot slot {self.bin_path(slot)} ({buf.numel() / 1e9:.2f}"
@@ -395,9 +422,10 @@ class SnapshotStore:
             return None
 
     def read(self, slot: int, header: SnapshotHeader, verify: bool = True,
-             keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+             keys: list[str] | None = None, threads: int = 1) -> dict[str, torch.Tensor]:
         """Views of a complete snapshot's tensors (checked against their digests, in one
-        native call: `native.digests`), or of those of `keys` alone."""
+        native call on `threads` native threads: `native.digests`), or of those of `keys`
+        alone."""
         self._secure(create=False)
         st = self.bin_path(slot).stat()
         if self._inodes.get(slot) != st.st_ino:  # a new file (a reader keeps its maps)
@@ -410,13 +438,25 @@ class SnapshotStore:
             n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
             raw[key] = buf[e.offset:e.offset + n]
         if verify:
-            got = digests([_bytes(r) for r in raw.values()])
+            got = digests([_bytes(r) for r in raw.values()], threads)
             for key, crc in zip(raw, got, strict=True):
                 if crc != header.entries[key].crc:
                     raise CheckpointError(f"snapshot {self.dir}/slot-{slot} step "
                                           f"{header.step}: checksum mismatch for {key!r}")
         return {key: r.view(DTYPE_NAMES[header.entries[key].dtype]).view(
             header.entries[key].shape) for key, r in raw.items()}
+
+
+def register_host(buf: torch.Tensor, device: torch.device) -> int:
+    """Register `buf`'s memory with CUDA as pinned (page-locked) for `device`:
+    cudaHostRegister's return code (0: pinned). The one place moc pins a mapping."""
+    with torch.cuda.device(device):
+        return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+
+
+def unregister_host(buf: torch.Tensor) -> None:
+    """Undo `register_host` (before the mapping goes)."""
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 def _allocate(fd: int, size: int, job: str) -> None:

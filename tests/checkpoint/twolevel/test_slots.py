@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -518,3 +519,74 @@ def test_a_full_shared_memory_at_the_claim_is_one_clear_line_and_leaves_nothing(
             claim_job("restarted")
         assert 0 in SnapshotStore("restarted", 0).headers()  # the snapshot is kept
         assert not list(job_dir("restarted").glob("*.tmp"))
+
+
+class _Cudart:
+    """CUDA's host registration as a CPU machine can observe it: which mappings were
+    pinned (by address and length) and unpinned. The one stand-in of this file: there is
+    no CUDA runtime here, and what is checked is which memory moc asks it to pin."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        assert ptr not in self.pinned, "pinned twice"
+        self.pinned[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.pinned[ptr]
+        return 0
+
+
+@pytest.fixture
+def cudart(monkeypatch) -> _Cudart:
+    runtime = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return runtime
+
+
+def test_a_slot_read_by_a_restore_is_pinned_before_the_next_capture_into_it(cudart):
+    """A restore from memory maps a slot to read it (unpinned: it only reads); the next
+    capture into that slot must go into pinned memory, or every device-to-host copy
+    into it from then on is pageable (13 against 55 GB/s on an H200), silently."""
+    gpu = torch.device("cuda", 0)
+    state = _state()
+    before = SnapshotStore("job", rank=0, pin=gpu)
+    write_snapshot(before, 0, 10, state, {})
+    write_snapshot(before, 1, 20, state, {})
+    before.release()
+    assert not cudart.pinned
+    store = SnapshotStore("job", rank=0, pin=gpu)  # the restarted process
+    headers = store.headers()
+    store.read(1, headers[1])  # the restore reads the newest snapshot
+    assert not cudart.pinned
+    size = slots.slot_layout(state)[1]
+    store.prepare(size)  # the engine's, after the first optimizer step
+    for slot in range(slots.N_SLOTS):  # every slot mapped, and every one pinned
+        buf = store._maps[slot]
+        assert cudart.pinned.get(buf.data_ptr()) == buf.numel(), slot
+    assert store.pinned is True
+    assert [h.step for h in store.headers().values()] == [10, 20]  # pinning wrote nothing
+    for slot in (1, 0, 2):  # the captures that follow, the restored slot first
+        write_snapshot(store, slot, 30 + slot, state, {})
+        buf = store._maps[slot]
+        assert cudart.pinned.get(buf.data_ptr()) == buf.numel(), slot
+    assert store.pinned is True
+    store.release()
+    assert not cudart.pinned
+
+
+def test_a_reader_mapping_is_pinned_when_a_capture_takes_it_without_a_prepare(cudart):
+    """The same without the engine's preparation: the capture itself pins it."""
+    gpu = torch.device("cuda", 0)
+    before = SnapshotStore("job", rank=0, pin=gpu)
+    write_snapshot(before, 0, 10, _state(), {})
+    before.release()
+    store = SnapshotStore("job", rank=0, pin=gpu)
+    store.read(0, store.headers()[0])
+    write_snapshot(store, 0, 20, _state(), {})
+    buf = store._maps[0]
+    assert cudart.pinned.get(buf.data_ptr()) == buf.numel()
+    assert store.pinned is True
