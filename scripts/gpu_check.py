@@ -69,6 +69,9 @@ KEEP_LAST = 2
 that kept all of them filled the H200's disk (2026-12-04)."""
 DISK_LIMIT_BYTES = 10e9
 """What a section may hold on disk at its peak."""
+INJOB_DOWNTIME_S = 60.0
+"""An in-job recovery's bound: under NCCL's collective timeout floor, so a recovery that
+waited one out (not freed by the heartbeat's abort) fails it."""
 OPTIONAL = ("crc32c", "safetensors", "tqdm", "xxhash", "numpy")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -392,21 +395,34 @@ def section_overhead(config: str, steps: int) -> Callable[[Ctx], dict[str, Any]]
     return run_it
 
 
+NCCL_NOTE = "in-job recovery on NCCL"
+"""The start of the one line `moc train` prints when in-job recovery runs on NCCL."""
+FAULTS = {"restart": ["--recovery", "restart", "--max-restarts", "1"],
+          "in-job": ["--recovery", "in-job"],
+          "in-job-hang": ["--recovery", "in-job", "--fault-kind", "hang",
+                          "--hang-timeout", "10"]}
+"""two_ranks' faulted runs: rank 1 SIGKILLed at RANKS_FAULT_AT and torchrun restarting
+the job; the same with its host replacing it in-job; rank 1 SIGSTOPped, found hung by
+its host and replaced, the survivor freed from its wait (on NCCL: by the heartbeat's
+abort of its communicators)."""
+
+
 def section_two_ranks(c: Ctx) -> dict[str, Any]:
-    """`moc train --nproc 2` straight, then a rank SIGKILLed under each recovery: torchrun
-    restarts the job, or the rank's host replaces it in-job (opt-in on NCCL)."""
+    """`moc train --nproc 2` straight, then rank 1 SIGKILLed or SIGSTOPped under each
+    recovery (FAULTS). In-job: rank 0's process is kept, the one recovery comes from
+    memory within a bound, and on NCCL the unverified line is said once."""
     from moc.train.metrics import read_events
 
-    def train_ranks(name: str, *extra: str) -> list[dict]:
+    def train_ranks(name: str, *extra: str) -> tuple[list[dict], str]:
         metrics = f"{c.tmp}/{name}.jsonl"
         r = run([sys.executable, "-m", "moc", "train", "--nproc", str(RANKS), "--device",
                  c.device, "--config", "tiny", "--steps", str(RANKS_STEPS), "--ckpt-mode",
                  "moc", "--ckpt-interval", str(RANKS_INTERVAL), "--keep-last",
                  str(KEEP_LAST), "--ckpt-dir", f"{c.tmp}/{name}-ckpt", "--metrics", metrics,
-                 "--no-progress", *extra], c.timeout / 3, c.env)
+                 "--no-progress", *extra], c.timeout / (len(FAULTS) + 1), c.env)
         if r.rc:
             raise RuntimeError(f"{name}: rc {r.rc}: {_tail(r.stderr)}")
-        return read_events(metrics)
+        return read_events(metrics), r.stderr
 
     def losses(events: list[dict]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
@@ -415,17 +431,24 @@ def section_two_ranks(c: Ctx) -> dict[str, Any]:
                 out.setdefault(e["step"], []).append(float(e["loss"]).hex())
         return out
 
-    straight = losses(train_ranks("straight", "--recovery", "restart"))
-    fault = ["--fault-at", str(RANKS_FAULT_AT), "--fault-rank", "1"]
+    straight = losses(train_ranks("straight", "--recovery", "restart")[0])
     out: dict[str, Any] = {"ok": True}
-    for recovery, extra in (("restart", ["--max-restarts", "1"]), ("in-job", [])):
-        events = train_ranks(recovery, *fault, "--recovery", recovery, *extra)
+    for name, extra in FAULTS.items():
+        events, stderr = train_ranks(name, "--fault-at", str(RANKS_FAULT_AT),
+                                     "--fault-rank", "1", *extra)
         recoveries = [e for e in events if e["event"] == "recovery"]
+        pids = [e["pids"] for e in events if e["event"] == "placement"]
         got = losses(events)
         bitwise = (sorted(got) == sorted(straight)
                    and all(v == straight[s][0] for s, vs in got.items() for v in vs))
-        out[recovery] = {"bitwise": bitwise, "recoveries": recoveries,
-                         "sources": [e.get("source") for e in recoveries]}
+        one = recoveries[0] if len(recoveries) == 1 else {}
+        out[name] = {
+            "bitwise": bitwise, "recoveries": recoveries,
+            "kind": one.get("kind"), "source": one.get("source"),
+            "downtime_s": one.get("downtime_s"), "replaced": one.get("replaced"),
+            "survivor_kept": len(pids) >= 2 and pids[0][0] == pids[-1][0]
+            and pids[0][1] != pids[-1][1],
+            "nccl_notes": stderr.count(NCCL_NOTE)}
         out["ok"] = out["ok"] and bitwise and len(recoveries) == 1
     return out
 
@@ -446,7 +469,7 @@ SECTIONS = [
     Section("resume", 40, section_resume),
     Section("restore_pinned", 45, section_restore_pinned("gpu-400m"),
             section_restore_pinned("tiny")),
-    Section("two_ranks", 100, section_two_ranks),
+    Section("two_ranks", 150, section_two_ranks),
     Section("loop_400m", 60, section_loop("gpu-400m"), section_loop("tiny")),
     Section("loop_800m", 80, section_loop("gpu-800m"), section_loop("small")),
     Section("overhead_400m", 150, section_overhead("gpu-400m", 20),
@@ -545,15 +568,7 @@ def criteria(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out["restore_pinned.capture>=0.8_of_pinned"] = _judge(
         _get(r, "restore_pinned", "capture_vs_pinned"), lambda v: v >= 0.8, ">= 0.8",
         why or "no pinned device-to-host figure (no GPU)")
-    for recovery in ("restart", "in-job"):
-        key = f"two_ranks.{recovery}_bitwise"
-        if not applies("two_ranks", device, gpus):
-            out[key] = {"status": NOT_APPLICABLE, "why": f"{gpus} GPU(s): needs {RANKS}"}
-            continue
-        got = _get(r, "two_ranks", recovery)
-        value = None if got is None else (got["bitwise"], len(got["recoveries"]))
-        out[key] = _judge(value, lambda v: v[0] is True and v[1] == 1,
-                          "one recovery, every loss bitwise", _why(r, "two_ranks"))
+    out.update(_two_ranks_criteria(r, device, gpus))
     for name in ("loop_400m", "loop_800m"):
         out.update(_loop_criteria(r, name))
     for name in ("overhead_400m", "overhead_bench"):
@@ -562,6 +577,38 @@ def criteria(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
              if isinstance(s, dict) and s.get("disk_peak_bytes") is not None]
     out["disk_peak<=10GB"] = _judge(max(peaks) if peaks else None,
                                     lambda v: v <= DISK_LIMIT_BYTES, "<= 10 GB")
+    return out
+
+
+def _two_ranks_criteria(r: dict[str, Any], device: str, gpus: int
+                        ) -> dict[str, dict[str, Any]]:
+    """Each faulted run of two_ranks: one recovery, every loss bitwise; in-job also the
+    survivor's process kept, a recovery from memory within INJOB_DOWNTIME_S, and on
+    NCCL the unverified line once."""
+    out: dict[str, dict[str, Any]] = {}
+    why = _why(r, "two_ranks")
+    for name in FAULTS:
+        key = f"two_ranks.{name}"
+        if not applies("two_ranks", device, gpus):
+            out[key] = {"status": NOT_APPLICABLE, "why": f"{gpus} GPU(s): needs {RANKS}"}
+            continue
+        got = _get(r, "two_ranks", name)
+        if name == "restart":
+            value = None if got is None else (got["bitwise"], len(got["recoveries"]))
+            out[key] = _judge(value, lambda v: v[0] is True and v[1] == 1,
+                              "one recovery, every loss bitwise", why)
+            continue
+        value = None if got is None else {
+            k: got[k] for k in ("bitwise", "kind", "source", "replaced", "survivor_kept",
+                                "downtime_s", "nccl_notes")}
+        notes = 1 if device == "cuda" else 0
+        out[key] = _judge(value, lambda v, n=notes: (
+            v["bitwise"] is True and v["kind"] == "in-job" and v["source"] == "memory"
+            and v["replaced"] == [1] and v["survivor_kept"] is True
+            and v["downtime_s"] is not None and v["downtime_s"] < INJOB_DOWNTIME_S
+            and v["nccl_notes"] == n),
+            f"one in-job recovery from memory, rank 1 replaced, rank 0's process kept, "
+            f"downtime < {INJOB_DOWNTIME_S:.0f} s, every loss bitwise", why)
     return out
 
 

@@ -61,8 +61,10 @@ def _planted(gpus: int = 1) -> dict:
          "loop_400m": _loop(), "loop_800m": _loop(),
          "overhead_400m": _overhead(), "overhead_bench": _overhead()}
     if gpus >= 2:
-        r["two_ranks"] = {"ok": True, **{k: {"bitwise": True, "recoveries": [{}]}
-                                         for k in ("restart", "in-job")}}
+        injob = {"bitwise": True, "recoveries": [{}], "kind": "in-job", "source": "memory",
+                 "replaced": [1], "survivor_kept": True, "downtime_s": 2.5, "nccl_notes": 1}
+        r["two_ranks"] = {"ok": True, "restart": {"bitwise": True, "recoveries": [{}]},
+                          "in-job": injob, "in-job-hang": {**injob, "downtime_s": 11.0}}
     else:
         r["two_ranks"] = {"skipped": "1 GPU(s)"}
     return r
@@ -76,8 +78,19 @@ def _verdict(r: dict) -> tuple[str, list[str], list[str]]:
 def test_every_criterion_met_is_a_pass(gpus):
     crit = gpu_check.criteria(_planted(gpus))
     assert gpu_check.verdict(crit) == ("PASS", [], [])
-    two = [crit[f"two_ranks.{k}_bitwise"]["status"] for k in ("restart", "in-job")]
-    assert two == (["met"] * 2 if gpus == 2 else ["not applicable"] * 2)
+    two = [crit[f"two_ranks.{k}"]["status"] for k in gpu_check.FAULTS]
+    assert two == (["met"] * 3 if gpus == 2 else ["not applicable"] * 3)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("survivor_kept", False), ("downtime_s", 75.0), ("nccl_notes", 0), ("replaced", [0, 1]),
+    ("source", "storage"), ("kind", "restart")])
+def test_an_in_job_recovery_that_lost_what_in_job_promises_fails(field, value):
+    """On two GPUs: a survivor replaced, a recovery that waited out NCCL's timeout, the
+    unverified line not said (or said twice), all fail the in-job criterion."""
+    r = _planted(gpus=2)
+    r["two_ranks"]["in-job-hang"][field] = value
+    assert _verdict(r)[:2] == ("FAIL", ["two_ranks.in-job-hang"])
 
 
 def test_a_criterion_not_met_fails_by_name_even_when_every_section_was_ok():
@@ -204,6 +217,10 @@ def test_what_a_finished_section_leaves_behind_is_killed(tmp_path):
     assert not _alive(int(pid_file.read_text()))
 
 
+def crit_status(result: dict, key: str) -> str:
+    return gpu_check.criteria(copy.deepcopy(result))[key]["status"]
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed and not yet reaped, does not)."""
     try:
@@ -240,7 +257,10 @@ def test_every_section_runs_on_the_cpu_without_the_optional_packages_and_its_ver
                                           **dict.fromkeys(BLOCKED, False)}
     assert result["resume"]["bitwise"] and result["resume"]["source"] == "memory"
     assert result["restore_pinned"]["source"] == "memory"
-    assert result["two_ranks"]["restart"]["bitwise"] and result["two_ranks"]["in-job"]["bitwise"]
+    for name in gpu_check.FAULTS:
+        assert result["two_ranks"][name]["bitwise"], name
+    for name in ("in-job", "in-job-hang"):  # gloo here: no NCCL line
+        assert crit_status(result, f"two_ranks.{name}") == "met", result["two_ranks"][name]
     for overhead in ("overhead_bench", "overhead_400m"):
         strategies = result[overhead]["strategies"]
         assert set(strategies) == set(gpu_check.STRATEGIES)
