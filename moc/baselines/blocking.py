@@ -22,7 +22,7 @@ from torch import nn
 
 from moc.checkpoint.plan.units import Wanted
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.spec import parse_expert_key, rng_key
+from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import flatten_optimizer, flatten_params, shared_state
 from moc.checkpoint.sync import Checkpointer, WriteContext
 
@@ -39,7 +39,7 @@ class MegatronPlacement:
         expert_optim = flatten_optimizer(
             {n: s for n, s in local.items() if n in expert_names}, spec)
         expert_optim = {k: v for k, v in expert_optim.items() if wanted(k)}
-        dense_optim[rng_key(g.rank)] = torch.get_rng_state()
+        dense_optim.update(ctx.state.rng())  # every generator of this rank, by key
         dense_parts = ctx.dist.gather_tensors(dense_optim, 0)
         expert_parts = ctx.dist.gather_tensors(expert_optim, g.ep_rank, edp=True)
         params = flatten_params(ctx.state.named, spec)

@@ -87,7 +87,7 @@ from moc.checkpoint.errors import (
 )
 from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.recovery import DictReader, restore_loop
-from moc.checkpoint.spec import ExpertSpec, dense_key, expert_key, param_key_of, rng_key
+from moc.checkpoint.spec import ExpertSpec, dense_key, expert_key, param_key_of
 from moc.checkpoint.state import RankState, flatten_params, shared_state
 from moc.checkpoint.store.manifest import check_model
 from moc.checkpoint.store.steps import fsync_dir
@@ -612,8 +612,9 @@ def _placeholders(path: Path, state: RankState) -> dict[str, torch.Tensor]:
     keys = list(params)
     keys += [k for k in stored if k.startswith("optim/") and param_key_of(k) in owned]
     keys += [k for k in shared_state(state) if k in stored]  # absent in older checkpoints
-    if rng_key(state.rank) in stored:  # absent after a restart on more ranks
-        keys.append(rng_key(state.rank))
+    # Its generators' states: absent after a restart on more ranks, or for an
+    # accelerator the run that saved did not use (load_rank_state leaves those as they are).
+    keys += [k for k in state.generators if k in stored]
     out = {}
     for key in keys:
         entry = stored.get(key)

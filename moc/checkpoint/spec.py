@@ -11,7 +11,8 @@ with one parallel layout can be read with another.
     optim/layers.1.ffn.experts.w1_LDF/expert=5/exp_avg  ... of one expert's slice
     buffer/layers.1.ffn.router.bias                     a persistent non-expert buffer
     optim/param_groups                                  the optimizer's hyperparameters
-    rng/rank=3                                          a rank's torch RNG state
+    rng/rank=3                                          a rank's torch CPU RNG state
+    rng/rank=3/cuda=0                                   ... of its first CUDA device
 
 `optim/param_groups` cannot be mistaken for a parameter's optimizer state: those keys
 have a state name after the parameter (`optim/<name>/<state>`), and parameter names hold
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,8 +216,37 @@ def dense_key(kind: str, name: str, state: str | None = None) -> str:
     return f"{kind}/{name}/{state}" if state else f"{kind}/{name}"
 
 
-def rng_key(rank: int) -> str:
-    return f"rng/rank={rank}"
+def rng_key(rank: int, device: str | None = None, n: int = 0) -> str:
+    """The key of a rank's RNG state: its CPU generator's (`device` None), or that of the
+    `n`-th device of type `device` the rank uses (`rng/rank=<r>/<device>=<n>`)."""
+    return f"rng/rank={rank}" if device is None else f"rng/rank={rank}/{device}={n}"
+
+
+_RNG_KEY = re.compile(r"^rng/rank=(\d+)(?:/[a-z0-9_]+=\d+)?$")
+
+
+def rng_rank_of(key: str) -> int | None:
+    """The rank whose generator's state `key` holds; None for a key that is no RNG key."""
+    m = _RNG_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
+def rng_keys(rank: int, devices: Iterable[torch.device]) -> dict[str, torch.device]:
+    """The RNG keys of a rank whose parameters live on `devices`, each with the device
+    whose generator it holds: the CPU generator's (always), and one per accelerator
+    (cpu and meta are none: meta has no generator).
+
+    An accelerator is keyed by its rank among the rank's devices of its type, not by
+    its index: a rank that used cuda:3 and resumes on cuda:0 (another node, another
+    CUDA_VISIBLE_DEVICES) finds its state under `rng/rank=<r>/cuda=0` either way."""
+    out = {rng_key(rank): torch.device("cpu")}
+    accelerators = sorted({d for d in devices if d.type not in ("cpu", "meta")},
+                          key=lambda d: (d.type, -1 if d.index is None else d.index))
+    seen: dict[str, int] = {}
+    for d in accelerators:
+        n = seen[d.type] = seen.get(d.type, -1) + 1
+        out[rng_key(rank, d.type, n)] = d
+    return out
 
 
 PARAM_GROUPS_KEY = "optim/param_groups"

@@ -57,7 +57,7 @@ from moc.checkpoint.spec import (
     dense_key,
     expert_key,
     expert_modules,
-    rng_key,
+    rng_keys,
     slices,
 )
 
@@ -689,19 +689,104 @@ class TakenAtSave:
 
 
 def local_state(model: nn.Module, optimizer: OptimizerState, spec: ExpertSpec, rank: int,
-                rng: torch.Tensor | None = None,
+                rng: dict[str, torch.Tensor] | None = None,
                 captured: TakenAtSave | None = None,
                 named: Named | None = None) -> dict[str, torch.Tensor]:
     """Everything this rank holds under stable keys (views, no copies, but the param
     groups' JSON): its parameters and persistent buffers, the optimizer state it owns,
-    the optimizer's param groups, its RNG (`rng`: the state taken when the checkpoint was
-    requested; now by default). `captured`: the buffers and param groups taken then
-    (`RankState.capture`), in place of their values now."""
-    state = flatten_params(named if named is not None else list(model.named_parameters()), spec)
+    the optimizer's param groups, its generators' RNG states (`rng`: `take_rng`'s, taken
+    when the checkpoint was requested; now by default). `captured`: the buffers and param
+    groups taken then (`RankState.capture`), in place of their values now."""
+    named = named if named is not None else list(model.named_parameters())
+    state = flatten_params(named, spec)
     state.update(flatten_optimizer(optimizer.local_state(), spec))
     state.update(_shared(model, optimizer, spec) if captured is None else captured.tensors())
-    state[rng_key(rank)] = torch.get_rng_state() if rng is None else rng
+    state.update(take_rng(rank_generators(rank, named)) if rng is None else rng)
     return state
+
+
+_warned_no_rng: set[str] = set()
+
+
+def _rng_module(device_type: str) -> Any | None:
+    """The torch module of a device type with `get_rng_state`/`set_rng_state` (torch for
+    the CPU); None, with a warning once, for one without (its generator is then neither
+    saved nor restored)."""
+    if device_type == "cpu":
+        return torch
+    try:
+        module = torch.get_device_module(device_type)
+    except RuntimeError:
+        module = None
+    if callable(getattr(module, "get_rng_state", None)) and callable(
+            getattr(module, "set_rng_state", None)):
+        return module
+    if device_type not in _warned_no_rng:
+        _warned_no_rng.add(device_type)
+        log.warning("torch.%s has no get_rng_state/set_rng_state: the RNG of the %s "
+                    "devices is not checkpointed, and a resumed run's random draws there "
+                    "differ from an uninterrupted one's", device_type, device_type)
+    return None
+
+
+def rank_generators(rank: int, named: Named) -> dict[str, torch.device]:
+    """This rank's RNG keys, each with the device whose generator it holds (`rng_keys`):
+    the CPU generator and that of every accelerator the rank's parameters live on."""
+    devices = {local(p).device for _, p in named}
+    return rng_keys(rank, [d for d in devices if _rng_module(d.type) is not None])
+
+
+# The generators' states are host data: torch.cuda.get_rng_state/set_rng_state read and
+# write a CUDAGeneratorImpl's seed and Philox offset, which it keeps in host memory
+# (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp: get_state memcpys them into a new CPU byte
+# tensor, set_state copies them back), so neither waits for the device nor queues work
+# on it (tests/gpu/test_cuda_path.py saves under set_sync_debug_mode("error")).
+def take_rng(generators: dict[str, torch.device]) -> dict[str, torch.Tensor]:
+    """The state of each generator of `generators` (`rank_generators`) now, by key: CPU
+    uint8 tensors, taken without waiting for any device."""
+    out = {}
+    for key, device in generators.items():
+        module = _rng_module(device.type)
+        assert module is not None, "rank_generators keeps devices with a generator"
+        out[key] = module.get_rng_state() if device.type == "cpu" else module.get_rng_state(
+            device)
+    return out
+
+
+def read_rng(reader: Reader, generators: dict[str, torch.device]
+             ) -> dict[torch.device, torch.Tensor]:
+    """The checkpoint's state of each generator of `generators` it holds (copies: a view
+    into a mapped file must not reach a generator), checked against the size of the
+    generator's state now. A key the checkpoint lacks (a restart on more ranks, a CPU
+    run resumed on CUDA) leaves its generator as it is; a key for a device this rank no
+    longer uses is not read. Raises IncompatibleCheckpointError for a state of another
+    size (another device type's or torch build's generator), before anything is
+    installed."""
+    out = {}
+    for key, device in generators.items():
+        if key not in reader:
+            continue
+        saved = reader.get(key)
+        now = take_rng({key: device})[key]
+        if saved.dtype != now.dtype or tuple(saved.shape) != tuple(now.shape):
+            raise IncompatibleCheckpointError(
+                f"{key}: the checkpoint's RNG state is {saved.dtype} of shape "
+                f"{tuple(saved.shape)}, this process's {device} generator takes {now.dtype} "
+                f"of shape {tuple(now.shape)}; restore on the device type and torch build "
+                "the run was saved with")
+        out[device] = saved.clone()
+    return out
+
+
+def install_rng(states: dict[torch.device, torch.Tensor]) -> None:
+    """Set each device's generator to its state (`read_rng`'s); host-side (see above)."""
+    for device, state in states.items():
+        module = _rng_module(device.type)
+        assert module is not None, "rank_generators keeps devices with a generator"
+        if device.type == "cpu":
+            module.set_rng_state(state)
+        else:
+            module.set_rng_state(state, device)
 
 
 class Reader(Protocol):
@@ -723,11 +808,13 @@ class Reader(Protocol):
 
 
 def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
-                    spec: ExpertSpec, rank: int, named: Named | None = None) -> None:
+                    spec: ExpertSpec, rank: int, named: Named | None = None,
+                    generators: dict[str, torch.device] | None = None) -> None:
     """Install this rank's share of a checkpoint: its parameters and persistent buffers,
     the optimizer state of the parameters it owns, the optimizer's hyperparameters, its
-    RNG. Everything is read (and checked) before anything is installed, so a corrupt key
-    never leaves a half-loaded model.
+    generators' RNG states (`generators`: `rank_generators`' by default). Everything is
+    read (and checked) before anything is installed, so a corrupt key never leaves a
+    half-loaded model.
 
     A checkpoint written before buffers and param groups were saved lacks their keys:
     those keep their current values, with a warning."""
@@ -762,7 +849,9 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
     states = optimizer_state(with_state, names, spec, get)
     # A model-only restore (inference) leaves the process's RNG alone: it resumes no run.
     model_only = isinstance(optimizer, NoOptimizer)
-    rng = reader.get(rng_key(rank)) if rng_key(rank) in reader and not model_only else None
+    if generators is None:
+        generators = rank_generators(rank, named)
+    rng = {} if model_only else read_rng(reader, generators)
 
     load_params(named, spec, params.__getitem__)
     with torch.no_grad():
@@ -775,8 +864,7 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
         log.warning("the checkpoint has no key for the persistent buffers %s (written "
                     "before buffers were checkpointed?); they keep their current values",
                     _few(missing))
-    if rng is not None:
-        torch.set_rng_state(rng.clone())  # a view into a mapped file would crash it
+    install_rng(rng)
 
 
 def _state_kinds(reader: Reader, prefix: str) -> list[tuple[str, bool]]:
@@ -826,6 +914,10 @@ class RankState:
     `buffer/<name>`) this rank holds part of, with the ranks that hold it, as every rank
     of the job reported it (`placed`); empty until then, and the units of a plan fall
     back to what this rank's mesh says."""
+    generators: dict[str, torch.device] = field(default_factory=dict, init=False)
+    """This rank's RNG keys, each with the device whose generator it holds
+    (`rank_generators`): the CPU's and that of each accelerator its parameters live on,
+    as the engine found them when it was built."""
     named: Named = field(default=(), init=False)
     """The model's parameters by name, as it held them when the engine was built. Kept,
     not looked up at each save: FSDP2 swaps a module's sharded parameters for unsharded
@@ -840,6 +932,7 @@ class RankState:
         named = tuple(self.model.named_parameters())
         _check_sharded(self.model)
         object.__setattr__(self, "named", named)
+        object.__setattr__(self, "generators", rank_generators(self.rank, named))
         pieces = []
         for name, p in named:
             sharding = sharding_of(name, p)
@@ -888,11 +981,19 @@ class RankState:
         host (or on another accelerator, whose tensors are copied through the host)."""
         return next((p.device for _, p in self.named if p.is_cuda), None)
 
-    def flatten(self, rng: torch.Tensor | None = None,
+    def flatten(self, rng: dict[str, torch.Tensor] | None = None,
                 captured: TakenAtSave | None = None) -> dict[str, torch.Tensor]:
-        """`local_state`: everything this rank holds under stable keys, as views."""
-        return local_state(self.model, self.optimizer, self.spec, self.rank, rng, captured,
-                           self.named)
+        """`local_state`: everything this rank holds under stable keys, as views (`rng`:
+        `rng()` as taken when the checkpoint was requested; now by default)."""
+        return local_state(self.model, self.optimizer, self.spec, self.rank,
+                           self.rng() if rng is None else rng, captured, self.named)
+
+    def rng(self) -> dict[str, torch.Tensor]:
+        """The state of every generator this rank uses, by key: the CPU's under
+        `rng/rank=<r>`, each accelerator's under `rng/rank=<r>/<type>=<n>`. The one place
+        a save takes the RNG: at `save()`, on the caller's thread, since the next forward
+        draws from it (dropout). Host-side: no device sync (see `take_rng`)."""
+        return take_rng(self.generators)
 
     def capture(self) -> TakenAtSave:
         """What an asynchronous snapshot takes when the checkpoint is requested, not
@@ -926,7 +1027,8 @@ class RankState:
 
     def load(self, reader: Reader) -> None:
         """`load_rank_state`: read and check everything this rank holds, then install it."""
-        load_rank_state(reader, self.model, self.optimizer, self.spec, self.rank, self.named)
+        load_rank_state(reader, self.model, self.optimizer, self.spec, self.rank, self.named,
+                        self.generators)
 
 
 def _check_sharded(model: nn.Module) -> None:

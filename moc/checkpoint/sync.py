@@ -34,7 +34,6 @@ so no rank is left waiting.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +56,13 @@ from moc.checkpoint.plan.units import Wanted, rank_share
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import resume_from_storage
 from moc.checkpoint.routing import EngineRouting
-from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.spec import ExpertSpec, rng_rank_of
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store import format as tensor_files
 from moc.checkpoint.store.manifest import Entry, Manifest
 from moc.checkpoint.store.steps import begin_step, commit_step, rank_file, tmp_dir
 from moc.topology import ParallelGroups
 
-_RNG = re.compile(r"^rng/rank=(\d+)$")
 log = logging.getLogger(__name__)
 
 
@@ -239,7 +237,7 @@ class Checkpointer(EngineRouting, CheckpointEngine):
         g, chain = parts.groups, parts.chain
         # Ranks that no longer exist (a restart on fewer ranks) leave no RNG behind.
         entries = {k: e for k, e in chain.entries.items()
-                   if not ((m := _RNG.match(k)) and int(m.group(1)) >= g.world_size)}
+                   if (r := rng_rank_of(k)) is None or r < g.world_size}
         files = {}
         for rank, rank_entries, rank_bytes, _, _ in reports:
             entries.update(rank_entries)

@@ -12,7 +12,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from moc.checkpoint.errors import IncompatibleCheckpointError
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import CheckpointReader
-from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec
+from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec, rng_keys, rng_rank_of
 from moc.checkpoint.state import TorchOptimizerState, decode_param_groups
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.sync import Checkpointer
@@ -287,3 +287,188 @@ def test_a_users_zero_optimizer_is_checkpointed_as_its_local_partition():
     from tests.distributed import run_ranks
 
     assert run_ranks(_zero_is_adapted_as_its_partition, 2) == [True, True]
+
+
+# -- the RNG of every generator a rank uses ------------------------------------------------
+
+
+def test_rng_keys_name_each_accelerator_by_its_place_among_the_ranks_devices_of_its_type():
+    devices = [torch.device(d) for d in ("cuda:3", "cpu", "meta", "cuda:1", "xpu:0", "cuda:3")]
+    keys = rng_keys(2, devices)
+    assert keys == {"rng/rank=2": torch.device("cpu"),
+                    "rng/rank=2/cuda=0": torch.device("cuda:1"),
+                    "rng/rank=2/cuda=1": torch.device("cuda:3"),
+                    "rng/rank=2/xpu=0": torch.device("xpu:0")}
+    assert rng_keys(0, [torch.device("cpu"), torch.device("meta")]) == {
+        "rng/rank=0": torch.device("cpu")}  # meta has no generator
+    assert [rng_rank_of(k) for k in keys] == [2, 2, 2, 2]
+    assert rng_rank_of("rng/rank=12") == 12
+    for other in ("param/rng/rank=1", "optim/w/step", "rng/rank=x", "rng/rank=1/cuda"):
+        assert rng_rank_of(other) is None, other
+
+
+class FakeAccelerator:
+    """`torch.cuda`'s two RNG functions on a machine without CUDA: one generator per
+    device index, its state `size` bytes; every install recorded."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.states: dict[int, torch.Tensor] = {}
+        self.size = size
+        self.installed: list[int] = []
+
+    def state(self, index: int) -> torch.Tensor:
+        return self.states.setdefault(index, torch.full((self.size,), index, dtype=torch.uint8))
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        return self.state(device.index).clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: torch.device) -> None:
+        assert new_state.shape == (self.size,)
+        self.states[device.index] = new_state.clone()
+        self.installed.append(device.index)
+
+
+@pytest.fixture
+def accelerator(monkeypatch):
+    """A rank whose parameters live on the host, as if they also lived on `cuda:<i>`
+    (set `accelerator.index`; None: on no accelerator) with a `FakeAccelerator`'s
+    generators: the rank's generator keys are computed from that device list."""
+    from moc.checkpoint import state as state_module
+
+    fake = FakeAccelerator()
+    fake.index = None
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    real = state_module.rank_generators
+
+    def generators(rank, named):
+        devices = [] if fake.index is None else [torch.device("cuda", fake.index)]
+        return {**real(rank, named), **rng_keys(rank, devices)}
+
+    monkeypatch.setattr(state_module, "rank_generators", generators)
+    return fake
+
+
+class DropoutMoE(torch.nn.Module):
+    """Two experts behind dropout: its forward draws from the CPU generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(2))
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        h_NH = self.drop(self.proj(x_ND))
+        return sum(expert(h_NH) for expert in self.experts)
+
+
+def _rng_model(seed: int) -> DropoutMoE:
+    torch.manual_seed(seed)
+    return DropoutMoE()
+
+
+def _save_rng(root, accelerator, index, kind: str = "sync"):
+    accelerator.index = index
+    model = _rng_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = _engine(kind, root, model, opt)
+    assert save_now(ckpt, 1).ok
+    _close(kind, ckpt)
+    return model, torch.rand(4)  # what the run draws next
+
+
+def _restore_rng(root, accelerator, index, kind: str = "sync"):
+    accelerator.index = index
+    model = _rng_model(5)  # another RNG state than the saved one
+    ckpt = _engine(kind, root, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        report = ckpt.restore()
+    finally:
+        ckpt.close()
+    return report
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_rank_saves_every_generator_it_uses_and_a_restore_sets_each_on_its_device(
+        tmp_path, accelerator, kind):
+    saved_on_3 = accelerator.state(3).clone()
+    _, next_draw = _save_rng(tmp_path, accelerator, 3, kind)
+    if kind != "twolevel-memory":
+        entries = Manifest.load(tmp_path, 1).entries
+        assert sorted(k for k in entries if k.startswith("rng/")) == ["rng/rank=0",
+                                                                      "rng/rank=0/cuda=0"]
+    accelerator.states.clear()
+    report = _restore_rng(tmp_path, accelerator, 1, kind)  # resumed on cuda:1
+    assert report.step == 1 and report.source == ("memory" if kind == "twolevel-memory"
+                                                  else "storage")
+    assert torch.equal(torch.rand(4), next_draw)
+    assert accelerator.installed == [1]
+    assert torch.equal(accelerator.states[1], saved_on_3)
+
+
+def test_a_checkpoint_holding_only_the_cpu_generator_leaves_the_accelerators_alone(
+        tmp_path, accelerator):
+    """A checkpoint written before accelerator generators were saved, or by a CPU run,
+    restored by a rank on an accelerator: the CPU generator is set, the other is left
+    as it is."""
+    _, next_draw = _save_rng(tmp_path, accelerator, None)
+    assert [k for k in Manifest.load(tmp_path, 1).entries if k.startswith("rng/")] == [
+        "rng/rank=0"]
+    before = accelerator.state(0).clone()
+    _restore_rng(tmp_path, accelerator, 0)
+    assert torch.equal(torch.rand(4), next_draw)
+    assert accelerator.installed == []
+    assert torch.equal(accelerator.state(0), before)
+
+
+def test_an_rng_state_of_another_size_is_refused_in_one_line_before_anything_is_installed(
+        tmp_path, accelerator):
+    saved, _ = _save_rng(tmp_path, accelerator, 0)
+    accelerator.size, accelerator.states = 32, {}  # another generator: 32-byte states
+    torch.manual_seed(7)
+    cpu_before = torch.get_rng_state()
+    accelerator.index = 0
+    fresh = _rng_model(5)
+    ckpt = Checkpointer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), tmp_path,
+                        policy=PECPolicy.full())
+    torch.set_rng_state(cpu_before)  # building the model drew from it
+    with pytest.raises(IncompatibleCheckpointError) as refused:
+        ckpt.restore()
+    ckpt.close()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "rng/rank=0/cuda=0" in message and "(16,)" in message and "(32,)" in message
+    assert accelerator.installed == []
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    for a, b in zip(fresh.parameters(), saved.parameters(), strict=True):
+        assert not torch.equal(a, b)  # the parameters were not installed either
+
+
+def _dropout_run(model, opt, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()  # dropout draws from the CPU generator
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_model_with_dropout_resumes_bitwise(tmp_path):
+    model = _rng_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _dropout_run(model, opt, range(1, 4))
+    ckpt = Checkpointer(model, opt, tmp_path, policy=PECPolicy.full())
+    assert save_now(ckpt, 3).ok
+    ckpt.close()
+    want = _dropout_run(model, opt, range(4, 8))
+
+    fresh = _rng_model(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ckpt = Checkpointer(fresh, fresh_opt, tmp_path, policy=PECPolicy.full())
+    assert ckpt.restore().step == 3
+    ckpt.close()
+    assert _dropout_run(fresh, fresh_opt, range(4, 8)) == want

@@ -35,6 +35,7 @@ from moc.checkpoint.spec import (
     buffer_key,
     expert_key,
     param_key_of,
+    rng_rank_of,
 )
 from moc.checkpoint.state import Placed, RankState, persistent_buffers
 from moc.topology import ParallelLayout
@@ -190,7 +191,7 @@ def sharded_keys(keys: Iterable[str], wanted: Wanted, units: list[WriteUnit],
     writer = plan_writes(units, world_size).writer
 
     def mine(key: str) -> bool:
-        if key.startswith("rng/"):
+        if rng_rank_of(key) is not None:  # every generator's of this rank: only it has them
             return True
         if key in unit_of:  # a parameter or a shared key
             return writer[unit_of[key]] == rank

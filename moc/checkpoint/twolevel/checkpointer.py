@@ -67,7 +67,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from moc.checkpoint.api import (
@@ -233,7 +232,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.wait_for_snapshot()  # the previous checkpoint's capture (normally done)
         self.snapshots.wait_prepared()  # the slots' preparation, if not over yet (once)
         counts = p.ledger.take_pending(wait=self.snapshots.device is None)  # device: queued
-        rng = torch.get_rng_state()
+        rng = p.state.rng()
         # The snapshot thread's plan and copies wait for the work queued so far (the
         # counts and param groups above reach the host with it); this thread does not.
         ready = self.snapshots.mark_ready()
