@@ -30,18 +30,27 @@ The two paths go through the same seam:
 
 from __future__ import annotations
 
+import functools
+import json
+import operator
 import os
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
+from moc.checkpoint.store.format import CHECKSUM
 from moc.checkpoint.twolevel import native
 from moc.checkpoint.twolevel.slots import SlotEntry, SlotView, SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.snapshot_tensors import (
+    SnapshotTensors,
+    TensorList,
+    entry_fragment,
+    host_bytes,
+)
 
 SEAL_STALL_ENV = "MOC_SEAL_STALL_S"
 """Fault injection for tests and drills: the seal sleeps this long first, so that a
@@ -58,8 +67,13 @@ class Copier(Protocol):
              ) -> list[int] | None:
         """Copy each tensor into its view; return when every byte has landed. The
         digests of the tensors when the copy took them on the way (else None: the seal
-        takes them from the slot)."""
+        takes them from the slot). `tensors` is a `TensorList` when the engine's cache
+        made it: what is derived from it may then be kept on it."""
         ...
+
+
+_BUFFER = operator.attrgetter("buffer")
+_TYPED = operator.attrgetter("typed")
 
 
 @dataclass(frozen=True)
@@ -78,8 +92,9 @@ class HostCopy:
 
     def copy(self, views: list[SlotView], tensors: list[torch.Tensor], ready: Any
              ) -> list[int] | None:
-        dsts = [_bytes(v.raw) for v in views]
-        srcs = [_host_bytes(t) for t in tensors]
+        dsts = list(map(_BUFFER, views))  # kept on each view: one C-level pass
+        srcs = (tensors.host_arrays() if isinstance(tensors, TensorList)
+                else [host_bytes(t) for t in tensors])
         if self.fused:
             return native.copy_and_digest(dsts, srcs, self.threads)
         native.copy_all(dsts, srcs, self.threads)
@@ -88,7 +103,7 @@ class HostCopy:
 
 class DeviceCopy:
     """Device-to-host copies of one CUDA device's tensors, on a stream of the engine's
-    own, into pinned slots (CPU tensors among them, such as the RNG state, are copied by
+    own, into pinned slots (CPU tensors among them, such as AdamW's `step`, are copied by
     the host meanwhile). Owner: the snapshot thread (the stream is used by it alone).
 
     The copies are issued in one call (`torch._foreach_copy_`: the GIL released once,
@@ -101,19 +116,19 @@ class DeviceCopy:
 
     def copy(self, views: list[SlotView], tensors: list[torch.Tensor], ready: Any
              ) -> list[int] | None:
-        dev = [(v.typed, t.detach()) for v, t in zip(views, tensors, strict=True) if t.is_cuda]
-        host = [(v, t) for v, t in zip(views, tensors, strict=True) if not t.is_cuda]
+        held = tensors if isinstance(tensors, TensorList) else TensorList(tensors)
+        on, off, dev, host = held.by_device()  # kept on a cached list: made once
         # The current device and stream are per thread: name them here, or the copies
         # would go to cuda:0's default stream and wait for everything training queued.
         with torch.cuda.device(self.pin), torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
             if dev:
-                _copy_all_async([d for d, _ in dev], [s for _, s in dev])
+                _copy_all_async(list(map(_TYPED, map(views.__getitem__, on))), dev)
             landed = torch.cuda.Event(blocking=True)
             landed.record(self.stream)
         if host:  # while the copy engine works
-            HostCopy(fused=False).copy([v for v, _ in host], [t for _, t in host], None)
+            HostCopy(fused=False).copy(list(map(views.__getitem__, off)), host, None)
         landed.synchronize()  # sleeps until the device-to-host copies have landed
         return None
 
@@ -147,7 +162,9 @@ class Captured:
 
     slot: int
     step: int
-    views: dict[str, SlotView]
+    tensors: SnapshotTensors
+    views: list[SlotView]
+    """Where each tensor of `tensors` landed, in its order (`SnapshotTensors.keys`)."""
     digests: list[int] | None
     """The checksums the copy took on the way (in `views`' order), else None."""
     prepared: bool = True
@@ -156,27 +173,40 @@ class Captured:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views.values())
+        tail = self.views[len(self.tensors.picked.tensors):]
+        return self.tensors.picked.nbytes + sum(v.nbytes for v in tail)
 
 
 def capture(store: SnapshotStore, copier: Copier, slot: int, step: int,
-            tensors: dict[str, torch.Tensor], ready: Any = None,
+            tensors: dict[str, torch.Tensor] | SnapshotTensors, ready: Any = None,
             sizing: dict[str, torch.Tensor] | None = None,
             phases: Phases | None = None) -> Captured:
     """Copy `tensors` into `slot` (its header removed first); blocks until every byte
     has landed. StateChangedError when a tensor was changed in place meanwhile: the
-    copy then holds some of each version, and is never sealed. `phases` gets
-    "reserve" (the slot's memory, when `prepare` had not made it ready) and "copy"."""
+    copy then holds some of each version, and is never sealed. `tensors`: the engine's
+    cached `SnapshotTensors`, or a dict laid out as `sizing` lays it out (default: as
+    it is). `phases` gets "reserve" (the slot's memory, when `prepare` had not made it
+    ready) and "copy".
+
+    The cached tensors and the tail go in two copies: the first's lists are the same
+    objects at every snapshot, so what the copier derives from them is made once."""
     phases = phases if phases is not None else Phases()
+    snap = (tensors if isinstance(tensors, SnapshotTensors)
+            else SnapshotTensors.of_dict(tensors, sizing))
+    picked, tail = snap.picked.tensors, TensorList(snap.tail.values())
     with phases("reserve"):
-        views, prepared = store.open(slot, tensors, sizing)
-    versions = {key: _version(t) for key, t in tensors.items()}  # before any byte is read
+        views, tail_views, prepared = store.open(slot, snap.picked.layout, snap.tail)
+    before = picked.versions() + tail.versions()  # before any byte is read
     with phases("copy"):
-        found = copier.copy(list(views.values()), list(tensors.values()), ready)
-    changed = [key for key, t in tensors.items() if _version(t) != versions[key]]
-    if changed:
-        raise StateChangedError(step, changed)
-    return Captured(slot, step, views, found, prepared)
+        found = copier.copy(views, picked, ready)
+        if tail:
+            more = copier.copy(tail_views, tail, ready)
+            found = None if found is None or more is None else found + more
+    after = picked.versions() + tail.versions()
+    if after != before:
+        raise StateChangedError(step, [key for key, a, b in zip(snap.keys, before, after,
+                                                                  strict=True) if a != b])
+    return Captured(slot, step, snap, views + tail_views, found, prepared)
 
 
 def seal(store: SnapshotStore, captured: Captured, meta: dict[str, Any],
@@ -188,17 +218,51 @@ def seal(store: SnapshotStore, captured: Captured, meta: dict[str, Any],
     stall = float(os.environ.get(SEAL_STALL_ENV, "0"))
     if stall > 0:
         time.sleep(stall)
-    views = captured.views
     with phases("checksum"):
         crcs = captured.digests
         if crcs is None:
-            crcs = native.digests([_bytes(v.raw) for v in views.values()], threads)
-    entries = {key: SlotEntry(v.offset, str(v.dtype).removeprefix("torch."), v.shape, crc)
-               for (key, v), crc in zip(views.items(), crcs, strict=True)}
-    header = SnapshotHeader(captured.step, entries, meta)
+            crcs = native.digests(list(map(_BUFFER, captured.views)), threads)
+    header = SealedHeader(captured, crcs, meta)
     with phases("header"):
         store.publish(captured.slot, header)
     return header
+
+
+class SealedHeader(SnapshotHeader):
+    """The header of a snapshot just sealed, made from its cached layout: its JSON is
+    the layout's entries (`Picked.fragments`, made once) joined with the checksums in
+    one C-level pass, and its `entries`, which sealing never reads, are made only when
+    read (a replica round, `k_snapshot="auto"`): a SlotEntry per tensor per snapshot,
+    and a dict of lists per tensor for its JSON, were a thousand Python calls each at
+    every seal of the gpu-400m preset. Read back from its file it is a plain
+    `SnapshotHeader`, the same, field for field (`tests/checkpoint/twolevel`)."""
+
+    def __init__(self, captured: Captured, crcs: list[int], meta: dict[str, Any]) -> None:
+        # Not the dataclass's __init__: `entries` is made when read (below). The places
+        # are kept, not the views: a header may outlive the slot's mapping.
+        snap, layout = captured.tensors, captured.tensors.picked.layout
+        tail = captured.views[len(snap.picked.tensors):]
+        tail_places = [(v.offset, v.dtype, v.shape) for v in tail]
+        fragments = [entry_fragment(k, *place) for k, place in zip(snap.tail, tail_places,
+                                                                    strict=True)]
+        for name, value in (("step", captured.step), ("meta", meta), ("_crcs", crcs),
+                            ("_keys", snap.keys),
+                            ("_places", (layout.offsets + [p[0] for p in tail_places],
+                                         layout.dtypes + [p[1] for p in tail_places],
+                                         layout.shapes + [p[2] for p in tail_places])),
+                            ("_fragments", snap.picked.fragments + fragments)):
+            object.__setattr__(self, name, value)
+
+    @functools.cached_property
+    def entries(self) -> dict[str, SlotEntry]:  # type: ignore[override]
+        offsets, dtypes, shapes = self._places
+        return {k: SlotEntry(o, str(d).removeprefix("torch."), s, crc) for k, o, d, s, crc
+                in zip(self._keys, offsets, dtypes, shapes, self._crcs, strict=True)}
+
+    def to_json(self) -> str:
+        head = json.dumps({"step": self.step, "meta": self.meta, "checksum": CHECKSUM})
+        body = "], ".join(map(str.__add__, self._fragments, map(str, self._crcs)))
+        return f'{head[:-1]}, "entries": {{{body}{"]" if body else ""}}}}}'
 
 
 def write_snapshot(store: SnapshotStore, slot: int, step: int,
@@ -225,45 +289,13 @@ class StateChangedError(CheckpointError):
         self.step, self.keys = step, keys
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """`t`'s version counter: every in-place change of a tensor, or of a view of its
-    storage made through torch (the optimizer's foreach updates too), increments it, and
-    a view shares its base's. None for an inference tensor, which keeps none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _bytes(raw: torch.Tensor) -> np.ndarray:
-    """A uint8 tensor's memory as a buffer (an empty one has none to export)."""
-    return raw.numpy() if raw.numel() else np.empty(0, dtype=np.uint8)
-
-
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of `t` in host memory, C-contiguous (a strided view is made contiguous;
-    another accelerator's tensor is copied to the host first). A contiguous tensor of a
-    dtype numpy has is exported as it is: three calls, where the general path's six
-    took 17 us a tensor, 10.6 ms of held GIL per snapshot of `bench`'s 610 tensors."""
-    src = t.detach()
-    if src.device.type == "cpu" and src.dtype in _NUMPY_DTYPES and src.is_contiguous():
-        return src.numpy()
-    if src.device.type != "cpu":
-        src = src.cpu()
-    return _bytes(src.contiguous().reshape(-1).view(torch.uint8))
-
-
-_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64,
-                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
-"""The dtypes whose tensors `Tensor.numpy()` exports as they are (not bfloat16)."""
-
-
 def _copy_all_async(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """Issue every copy on the current stream in one call where torch can
     (`_foreach_copy_`; across devices it loops in C++, the GIL released), else one
     `copy_` per tensor."""
-    try:
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
-    except (AttributeError, RuntimeError, TypeError):  # an older torch, or a refusal
-        for d, s in zip(dsts, srcs, strict=True):
-            d.copy_(s, non_blocking=True)
+    with torch.no_grad():  # a parameter's view may require grad; its copy never does
+        try:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        except (AttributeError, RuntimeError, TypeError):  # an older torch, or a refusal
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(s, non_blocking=True)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import mmap
+import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -112,6 +114,11 @@ def slot_capacity(size: int) -> int:
     return -(-(size + SLOT_SLACK + size // 256) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+VIEW_LAYOUTS = 64
+"""Layouts whose views a slot's mapping keeps: one for complete snapshots, one per
+selection of experts for partial ones (a rotation of N/K selections)."""
+
+
 def slot_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
     """Where each tensor lies in a slot (in order, each at a multiple of ALIGN), and the
     bytes they need."""
@@ -127,7 +134,7 @@ def slot_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
 class SlotView:
     """Where one tensor lies in an open slot, and the slot's memory there: `raw` (its
     bytes, what a checksum reads) and `typed` (the same bytes with the tensor's dtype
-    and shape, what a copy writes)."""
+    and shape, what a copy writes). Kept by the store (`open`): `buffer` is made once."""
 
     offset: int
     dtype: torch.dtype
@@ -135,9 +142,59 @@ class SlotView:
     raw: torch.Tensor
     typed: torch.Tensor
 
+    @classmethod
+    def at(cls, buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+           ) -> SlotView:
+        """The view of `buf` (a slot's mapping) at `offset` for a tensor of `dtype`, `shape`."""
+        n = torch.Size(shape).numel() * dtype.itemsize
+        raw = buf[offset:offset + n]
+        return cls(offset, dtype, shape, raw, raw.view(dtype).view(shape))
+
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+    @functools.cached_property
+    def buffer(self) -> np.ndarray:
+        """`raw` as the native copies and checksums take it; once made, reading it over
+        a snapshot's views (`operator.attrgetter`) costs no Python call per tensor."""
+        return _bytes(self.raw)
+
+
+_OFFSET, _DTYPE, _SHAPE = (operator.attrgetter(a) for a in ("offset", "dtype", "shape"))
+
+
+@dataclass(frozen=True, eq=False)
+class SlotLayout:
+    """Where a state's tensors lie in a slot laid out for `size` bytes (`keys[i]` at
+    `offsets[i]`, of `dtypes[i]`, `shapes[i]`): made once per cached flatten
+    (`twolevel.state_cache`), so that opening a slot is not a Python loop over a
+    thousand tensors. A partial snapshot opens a `pick`: the whole state's places."""
+
+    keys: list[str]
+    offsets: list[int]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    size: int
+    """The bytes the whole layout needs (each tensor at a multiple of ALIGN)."""
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> SlotLayout:
+        """The layout of `tensors`, in order (`slot_layout`)."""
+        offsets, size = slot_layout(tensors)
+        return cls(list(tensors), list(offsets.values()), [t.dtype for t in tensors.values()],
+                   [tuple(t.shape) for t in tensors.values()], size)
+
+    def pick(self, index: list[int]) -> SlotLayout:
+        """The tensors at `index`, in their places in the whole layout."""
+        take = [self.keys, self.offsets, self.dtypes, self.shapes]
+        return SlotLayout(*[list(map(part.__getitem__, index)) for part in take], self.size)
+
+    def placed(self, views: list[SlotView]) -> bool:
+        """Whether `views` (one per key) are this layout's places (C-level passes)."""
+        return (list(map(_OFFSET, views)) == self.offsets
+                and list(map(_DTYPE, views)) == self.dtypes
+                and list(map(_SHAPE, views)) == self.shapes)
 
 
 class PinError(CheckpointError):
@@ -171,7 +228,9 @@ class SnapshotStore:
         self._inodes: dict[int, int] = {}  # the file each mapping maps
         self._pinned: set[int] = set()
         self._writable: set[int] = set()  # mappings made ready for writing (`_map`)
-        self._views: dict[int, dict[str, SlotView]] = {}  # per mapping, reused
+        self._views: dict[int, dict[int, tuple[SlotLayout, list[SlotView]]]] = {}
+        """Per mapping: the views of each layout opened in it (by the layout's id; the
+        layout is kept with them, so that its id is not reused meanwhile)."""
         self._reserved = -1  # the slot size every free slot has been prepared at
 
     def sizes(self) -> dict[str, int]:
@@ -219,33 +278,36 @@ class SnapshotStore:
                           else self._map(slot, self.bin_path(slot).stat().st_size))
         self._reserved = slot_capacity(size)
 
-    def open(self, slot: int, tensors: dict[str, torch.Tensor],
-             sizing: dict[str, torch.Tensor] | None = None
-             ) -> tuple[dict[str, SlotView], bool]:
-        """Open `slot` for a new snapshot of `tensors`: its header is removed (from here on
-        it is no recovery source), its memory prepared (`prepare`), and each tensor's
-        place in it returned, with whether the slot was ready before (prepared: nothing
-        to reserve, map or pin for it). Laid out for `sizing` (the whole state; default
-        `tensors`), so that partial snapshots of different experts reuse the slot as it
-        is; the views are made once per mapping and layout, not per snapshot."""
+    def open(self, slot: int, layout: SlotLayout, tail: dict[str, torch.Tensor] | None = None
+             ) -> tuple[list[SlotView], list[SlotView], bool]:
+        """Open `slot` for a new snapshot: its header is removed (from here on it is no
+        recovery source), its memory prepared (`prepare`), and the places of the tensors
+        `layout` holds and of `tail` (a few tensors made anew for each snapshot, laid out
+        after the whole state's `layout.size`) returned, with whether the slot was ready
+        before (prepared: nothing to reserve, map or pin for it).
+
+        The views of a layout are made once per mapping and kept: a cached layout (the
+        same object at every snapshot) gets the same list back, checked in a few C-level
+        passes (`SlotLayout.placed`), not made and compared one tensor at a time."""
         self.header_path(slot).unlink(missing_ok=True)
-        offsets, size = slot_layout(sizing if sizing is not None else tensors)
+        places, size = [], layout.size
+        for t in (tail or {}).values():
+            n = t.numel() * t.element_size()
+            places.append((size, t.dtype, tuple(t.shape)))
+            size += n + (-n % ALIGN)
         held = self._maps.get(slot)
         ready = held is not None and held.numel() >= size and slot in self._writable
         buf = self._map(slot, size, allocate=True)
         self.prepare(size)
         cache = self._views.setdefault(slot, {})
-        views = {}
-        for key, t in tensors.items():
-            v = cache.get(key)
-            if v is None or (v.offset, v.dtype, v.shape) != (offsets[key], t.dtype,
-                                                             tuple(t.shape)):
-                n = t.numel() * t.element_size()
-                raw = buf[offsets[key]:offsets[key] + n]
-                v = cache[key] = SlotView(offsets[key], t.dtype, tuple(t.shape), raw,
-                                          raw.view(t.dtype).view(t.shape))
-            views[key] = v
-        return views, ready
+        kept = cache.get(id(layout))
+        if kept is None or kept[0] is not layout or not layout.placed(kept[1]):
+            views = list(map(functools.partial(SlotView.at, buf), layout.offsets,
+                             layout.dtypes, layout.shapes))
+            if len(cache) >= VIEW_LAYOUTS:  # a rotation of partial snapshots: bounded
+                cache.pop(next(iter(cache)))
+            kept = cache[id(layout)] = (layout, views)
+        return kept[1], [SlotView.at(buf, *place) for place in places], ready
 
     def publish(self, slot: int, header: SnapshotHeader) -> None:
         """Write `slot`'s header: from here on it holds a complete snapshot."""

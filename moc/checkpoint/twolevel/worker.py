@@ -32,6 +32,7 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.twolevel.capture import Copier, capture, seal
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.snapshot_tensors import SnapshotTensors
 
 PRIORITY_ENV = "MOC_CKPT_PRIORITY"
 """How checkpoint work is scheduled: "idle" (the default: the snapshot thread in
@@ -157,10 +158,12 @@ class SnapshotJob:
     plan)."""
 
     slot: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | SnapshotTensors
+    """What it copies: the engine's, laid out once and cached (`twolevel.state_cache`),
+    or a plain dict (laid out at each capture)."""
     meta: dict[str, Any]
     sizing: dict[str, torch.Tensor] | None = None
-    """The whole state the slot is laid out for (default: `tensors`)."""
+    """For a dict, the whole state the slot is laid out for (default: `tensors`)."""
     on_done: Callable[[SnapshotHeader], None] | None = None
     """Called on the snapshot thread once the snapshot is sealed."""
     on_error: Callable[[BaseException], None] | None = None
