@@ -52,6 +52,7 @@ from moc.checkpoint.twolevel.snapshot_plan import (
     PlanOutcome,
     plan_snapshot,
 )
+from moc.checkpoint.twolevel.state_cache import FlatState
 from moc.checkpoint.twolevel.worker import SnapshotJob
 from moc.topology import ParallelGroups
 
@@ -73,8 +74,18 @@ class SnapshotPlanner:
         broke on any rank is broken on every rank at the next plan, so that all stop
         sending replicas at the same round, none waits for a peer that stopped."""
         self.lock = threading.Lock()
+        self.flat = FlatState(state)
+        """The flattened state, its layout kept between plans (`twolevel.state_cache`)."""
         self.lag = StorageLag(groups.rank)
         """How far storage is behind, reported with every checkpoint (`twolevel.lag`)."""
+
+    def forget_layout(self) -> None:
+        """Drop the flattened state's kept layout (after a restore replaced the
+        optimizer's state: the next plan would see that and make a new one, but until
+        then the layout keeps the old tensors alive). The caller's thread, no plan
+        running (a restore flushes first)."""
+        with self.lock:
+            self.flat.forget()
 
     # -- persist outcomes ----------------------------------------------------------------
 
@@ -152,7 +163,8 @@ class SnapshotPlanner:
 
     # -- one checkpoint ----------------------------------------------------------------------
 
-    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
+    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor | dict[str, torch.Tensor],
+             extra: dict[str, Any],
              final: bool = False, rejected: str | None = None,
              captured: TakenAtSave | None = None,
              run: dict[str, Any] | None = None) -> SnapshotJob:
@@ -167,7 +179,8 @@ class SnapshotPlanner:
             return self._plan(step, counts, rng, extra, final, rejected, captured,
                               run or {"id": self.config.run_id, "line": []})
 
-    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor, extra: dict[str, Any],
+    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor | dict[str, torch.Tensor],
+              extra: dict[str, Any],
               final: bool, rejected: str | None,
               captured: TakenAtSave | None, run: dict[str, Any]) -> SnapshotJob:
         g, books, cfg = self.groups, self.books, self.config
@@ -190,16 +203,16 @@ class SnapshotPlanner:
         manifest = books.chain.manifest
         lag = self.lag.planned(step, persist_now, manifest.step if manifest else None,
                                books.in_flight, books.persist_alive)
-        state = self.state.flatten(rng, captured)
+        flat = self.flat.take(rng, captured)  # the layout kept since the last plan
         plan = plan_snapshot(PlanInputs(
-            step, final, persist_now, None if books.persist_alive else PERSIST_GONE, state,
+            step, final, persist_now, None if books.persist_alive else PERSIST_GONE, flat,
             self.state, g, books.chain, books.ledger, cfg, books.free_slot(),
             books.k_snapshot, books.next_snapshot(), books.take_chosen(), extra, run))
         future = None
         if persist_now:
             books.persist_started(step, plan.slot)
             future = self.persist.execute(PersistRequest(step, plan.prev_step, plan.template))
-        held, persist, rank = list(state), self.persist, g.rank
+        held, persist, rank = flat.keys, self.persist, g.rank
 
         def on_done(header: SnapshotHeader) -> None:  # on the snapshot thread, sealed
             with self.lock:
@@ -212,7 +225,7 @@ class SnapshotPlanner:
                 persist.failed(rank, step, error)
 
         outcome = PlanOutcome(**{**plan.outcome.__dict__, "persist": future, "lag": lag})
-        return SnapshotJob(plan.slot, plan.tensors, plan.meta, sizing=state, on_done=on_done,
+        return SnapshotJob(plan.slot, plan.tensors, plan.meta, on_done=on_done,
                            on_error=on_error, outcome=outcome)
 
     # -- the end ---------------------------------------------------------------------------

@@ -67,15 +67,17 @@ def snapshot_experts(n_experts: int, n_moe_layers: int, k_snapshot: int, index: 
     return chosen
 
 
-def snapshot_keys(state: dict[str, torch.Tensor], experts: list[set[int]],
-                  stems: dict[str, int], write: set[str]) -> dict[str, torch.Tensor]:
-    """The part of `state` a snapshot copies: every non-expert key, the keys it persists
-    (`write`), and the expert keys of `experts`."""
-    out = {}
-    for key, t in state.items():
+def snapshot_index(keys: list[str], experts: list[set[int]], stems: dict[str, int],
+                   write: set[str]) -> list[int]:
+    """Positions in `keys` (a flattened state's) of what a snapshot copies: every
+    non-expert key, the keys it persists (`write`), and the expert keys of `experts`.
+    Run once per layout and selection: the planner keeps the result
+    (`state_cache.StateLayout.remember`)."""
+    out = []
+    for i, key in enumerate(keys):
         parsed = parse_expert_key(key)
         if parsed is None or key in write or parsed[2] in experts[stems[parsed[1]]]:
-            out[key] = t
+            out.append(i)
     return out
 
 

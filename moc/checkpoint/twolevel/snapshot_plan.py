@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
@@ -27,7 +25,9 @@ from moc.checkpoint.state import RankState
 from moc.checkpoint.twolevel.lag import LagReport
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.protocol import Done
-from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_keys
+from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_index
+from moc.checkpoint.twolevel.snapshot_tensors import SnapshotTensors
+from moc.checkpoint.twolevel.state_cache import Flat
 from moc.topology import ParallelGroups
 
 
@@ -77,8 +77,9 @@ class PlanInputs:
     """No persist runs and the persist process is alive: this checkpoint is persisted."""
     persist_error: str | None
     """Why nothing can be persisted (the persist process is gone), reported."""
-    state: dict[str, torch.Tensor]
-    """This rank's flattened state (`RankState.flatten`)."""
+    state: Flat
+    """This rank's flattened state (`RankState.flatten`), its layout cached between
+    snapshots (`state_cache.FlatState`), with what is derived from it."""
     rank_state: RankState
     groups: ParallelGroups
     chain: ChainState
@@ -96,7 +97,7 @@ class PlanInputs:
 class SnapshotPlan:
     step: int
     slot: int
-    tensors: dict[str, torch.Tensor]
+    tensors: SnapshotTensors
     """What the snapshot copies (all of `state` unless K_snapshot < N)."""
     meta: dict[str, Any]
     """What the snapshot's header records: enough to restore and to continue from it."""
@@ -111,16 +112,30 @@ class SnapshotPlan:
 
 def plan_snapshot(p: PlanInputs) -> SnapshotPlan:
     """The snapshot and persist of `p.step`: the experts the policy selects (all when
-    `final`), this rank's share of their writes, and which experts the snapshot holds."""
-    g, chain, ledger, cfg = p.groups, p.chain, p.ledger, p.config
+    `final`), this rank's share of their writes, and which experts the snapshot holds.
+
+    The share and the tensors the snapshot copies are functions of the state's layout
+    and of the selection: they are made once per layout and selection and kept with the
+    layout (`StateLayout.remember`), not derived key by key at every snapshot."""
+    g, chain, ledger, cfg, flat = p.groups, p.chain, p.ledger, p.config, p.state
     selected = chain.all_experts() if p.final else chain.select(p.step, ledger)
-    wanted = chain.wanted(selected, p.step)
     written = chain.written(selected, p.step)
-    write = rank_share(p.rank_state, g.layout, p.state, wanted) if p.persist_now else []
+    share, write = None, []
+    if p.persist_now:
+        share = share_key(chain, p.step, selected, flat)
+        wanted, keys = chain.wanted(selected, p.step), flat.keys
+        write = flat.layout.remember(
+            None if share is None else ("write", share),
+            lambda: rank_share(p.rank_state, g.layout, keys, wanted))
     spec = p.rank_state.spec
     experts = snapshot_experts(spec.n_experts, spec.n_moe_layers, p.k_snapshot, p.snap_index,
                                g.layout.ep, written if p.persist_now else None,
                                chain.manifest is None or p.final)
+    pick = ("pick", tuple(map(frozenset, experts)), share)  # share: None unless persisted
+    picked = flat.layout.remember(
+        None if p.persist_now and share is None else pick,
+        lambda: flat.layout.pick(snapshot_index(flat.layout.keys, experts, chain.stems,
+                                                set(write))))
     layout = chain.layout(g.world_size, g.layout.ep)
     meta = {"extra": p.extra, "ledger": ledger.to_json(), **ledger.policy_json(),
             "snap_index": p.snap_index, "k_snapshot": p.k_snapshot,
@@ -130,7 +145,28 @@ def plan_snapshot(p: PlanInputs) -> SnapshotPlan:
                           p.k_snapshot, p.chosen)
     step, extra, run = p.step, p.extra, p.run
     return SnapshotPlan(
-        step, p.slot, snapshot_keys(p.state, experts, chain.stems, set(write)), meta, write,
+        step, p.slot, flat.snapshot(picked), meta, write,
         outcome, chain.manifest.step if chain.manifest is not None else None,
         lambda: chain.template(step, mode=cfg.mode, layout=layout, model_meta=cfg.model_meta,
                                extra=extra, written=written, ledger=ledger, run=run))
+
+
+def share_key(chain: ChainState, step: int, selected: list[list[int]], flat: Flat
+              ) -> tuple | None:
+    """What `chain.wanted(selected, step)` decides for `flat`'s keys depends on, as a key
+    to keep what is derived from it by (None: not to be kept).
+
+    Design note: `ChainState.wanted` keeps a key when it is not an expert's, when the
+    chain has no copy of it (absent from the manifest), when its copy is of `step` or
+    later (a step saved again), or when it is of the partial kind and its expert is
+    selected. For a step after the manifest's, the third never holds (a manifest's
+    entries are of its step or older), so the decision follows from the selection, the
+    policy's kind and which keys the manifest lacks: one C-level set difference, not a
+    Python call per key. A step saved again (a rollback) is derived anew."""
+    m = chain.manifest
+    if m is not None and step <= m.step:
+        return None
+    tail = tuple(flat.tail)
+    missing = (None if m is None else
+               flat.layout.keyset.difference(m.entries) | frozenset(tail).difference(m.entries))
+    return (chain.policy.apply_to, tuple(map(tuple, selected)), missing, tail)
