@@ -7,7 +7,9 @@ One process trains a preset's model (moc's Transformer, AdamW, routing watched) 
 two-level engine, in blocks of B steps alternately without and with a checkpoint every
 step, and times each step on the training thread by phase:
 
-    fwd_bwd      forward and backward: on a GPU, the time to launch them
+    fwd_bwd      forward and backward: on a GPU, the time to launch them (on a CPU,
+                 the compute itself); with a snapshot in flight behind it in the blocks
+                 with checkpoints, its plan and capture competing for the GIL
     wait         wait_for_snapshot(): the capture of the previous checkpoint
     optimizer    optimizer.step() and zero_grad()
     save         maybe_save() and, when due, drain_completed()
@@ -15,6 +17,11 @@ step, and times each step on the training thread by phase:
 
 Paired throughput is the mean step of the blocks without checkpoints over that of the
 blocks with them (each block's first step left out), measured side by side in one run.
+So is the training thread's forward and backward, with a snapshot in flight (the blocks
+with checkpoints: each step's snapshot is planned and captured behind the next step's
+forward and backward) and without (`fwd_bwd_on_s`, `fwd_bwd_off_s`, their ratio
+`fwd_bwd_ratio`; `fwd_bwd_in_flight_share`: the share of the former steps whose forward
+started with a capture still in flight).
 Also: each checkpoint's capture bandwidth (its copies) against the pinned
 device-to-host bandwidth measured in the same run (a GPU), its seal, how long it queued
 behind the seal before it (a seal that does not keep up delays the next snapshot), and
@@ -67,6 +74,7 @@ def train(cfg_name: str, device: torch.device, steps: int, block: int, k_snapsho
     try:
         for step in range(1, steps + 1):
             x = data[step % len(data)]
+            in_flight = ckpt.capturing  # a snapshot's plan or capture behind this forward
             t = [time.perf_counter()]
             loss = model(x[:, :-1], x[:, 1:]).loss
             loss.backward()
@@ -85,6 +93,7 @@ def train(cfg_name: str, device: torch.device, steps: int, block: int, k_snapsho
             t.append(time.perf_counter())
             times[step] = {name: b - a for name, a, b in zip(PHASES, t, t[1:], strict=False)}
             times[step]["step"] = t[-1] - t[0]
+            times[step]["in_flight"] = float(in_flight)
         ckpt.flush()
         results += ckpt.drain_completed()
         slots = {"pinned": ckpt.snapshots.store.pinned, **ckpt.host_memory()}
@@ -109,6 +118,7 @@ def figures(times: dict[int, dict[str, float]], results: list[CheckpointResult],
         for regime, want in (("on", True), ("off", False)):
             vals = [times[s][name] for s in steady if in_checkpoint_block(s, block) == want]
             out[f"{name}_{regime}_s"] = statistics.mean(vals) if vals else None
+    out.update(launch_figures(times, steady, block))
     plain = statistics.median(t["step"] for s, t in times.items()
                               if not in_checkpoint_block(s, block) and s > 1)
     checkpointed = sorted(s for s in times if in_checkpoint_block(s, block))
@@ -140,6 +150,22 @@ def figures(times: dict[int, dict[str, float]], results: list[CheckpointResult],
     return out
 
 
+def launch_figures(times: dict[int, dict[str, float]], steady: list[int], block: int
+                   ) -> dict[str, float | None]:
+    """The training thread's forward and backward with a snapshot in flight against
+    without: the ratio of the two means (`fwd_bwd_on_s` over `fwd_bwd_off_s`), and the
+    share of the checkpointing blocks' steps whose forward started with a capture in
+    flight (a snapshot that was over before would measure nothing)."""
+    on = [s for s in steady if in_checkpoint_block(s, block)]
+    off = [s for s in steady if not in_checkpoint_block(s, block)]
+    if not on or not off:
+        return {"fwd_bwd_ratio": None, "fwd_bwd_in_flight_share": None}
+    on_s = statistics.mean(times[s]["fwd_bwd"] for s in on)
+    off_s = statistics.mean(times[s]["fwd_bwd"] for s in off)
+    share = statistics.mean(times[s].get("in_flight", 0.0) for s in on)
+    return {"fwd_bwd_ratio": on_s / off_s if off_s else None, "fwd_bwd_in_flight_share": share}
+
+
 def markdown(r: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.1f}"
@@ -152,6 +178,16 @@ def markdown(r: dict[str, Any]) -> str:
         on = r.get(f"{key}_on_s") if name != "step" else r.get("step_on_s")
         lines.append(f"| {name} | {ms(off)} | {ms(on)} |")
     return "\n".join(lines)
+
+
+def launch_row(r: dict[str, Any]) -> str:
+    """The training thread's forward and backward, without and with a snapshot in flight."""
+    off, on, ratio = r.get("fwd_bwd_off_s"), r.get("fwd_bwd_on_s"), r.get("fwd_bwd_ratio")
+    if off is None or on is None or ratio is None:
+        return "-"
+    return (f"{off * 1e3:.1f} ms without a snapshot in flight, {on * 1e3:.1f} ms with one: "
+            f"{ratio:.3f}x ({r['fwd_bwd_in_flight_share']:.0%} of those steps started with "
+            "a capture in flight)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             ("capture", f"{rate(result.get('capture_Bps'))}; pinned D2H {rate(pinned)}"
                         + (f" (share {result['capture_vs_pinned']:.2f})"
                            if "capture_vs_pinned" in result else "")),
+            ("forward+backward", launch_row(result)),
             ("seal", f"{result.get('seal_s', 0) * 1e3:.1f} ms; queued at most "
                      f"{result.get('queued_max_s', 0) * 1e3:.1f} ms behind the one before"),
             ("slots", f"pinned: {slots['pinned']}; reserving at a checkpoint after the "

@@ -26,6 +26,8 @@ def test_the_paired_figures_compare_the_blocks_of_one_run():
         on = (s // 4) % 2 == 1
         t["step"] = 0.12 if on else 0.10
         t["wait"] = 0.02 if on else 0.0
+        t["fwd_bwd"] = 0.06 if on else 0.05  # the snapshot thread's Python beside it
+        t["in_flight"] = float(on and s % 4 != 0)
     times[4]["step"] = 0.5  # the first checkpointed step pays for what is not prepared
     results = [_result(s, 0.001) for s in (4, 5, 6, 7, 12, 13, 14, 15)]
     f = figures(times, results, block=4, warmup=0)
@@ -36,6 +38,9 @@ def test_the_paired_figures_compare_the_blocks_of_one_run():
     assert f["checkpoints"] == 8 and f["failed"] == 0
     assert f["capture_Bps"] == 1e9 and f["seal_s"] == pytest.approx(0.006)
     assert f["queued_max_s"] == pytest.approx(0.001)
+    assert f["fwd_bwd_on_s"] == pytest.approx(0.06) and f["fwd_bwd_off_s"] == 0.05
+    assert f["fwd_bwd_ratio"] == pytest.approx(0.06 / 0.05)
+    assert f["fwd_bwd_in_flight_share"] == 1.0  # each block's first step is left out
 
 
 @pytest.mark.integration  # a real two-level engine and its persist process
@@ -51,3 +56,6 @@ def test_a_short_run_on_the_cpu_reports_every_figure(tmp_path, capsys, monkeypat
     assert len(r["times"]) == 16
     printed = capsys.readouterr().out
     assert "paired throughput" in printed and "| wait |" in printed
+    assert r["fwd_bwd_ratio"] == pytest.approx(r["fwd_bwd_on_s"] / r["fwd_bwd_off_s"])
+    assert 0 <= r["fwd_bwd_in_flight_share"] <= 1
+    assert "forward+backward" in printed and "without a snapshot in flight" in printed
