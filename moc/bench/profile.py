@@ -44,7 +44,7 @@ from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning
 from moc.checkpoint.store.format import CRC32C, digest
 from moc.checkpoint.twolevel import native
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import slot_layout
+from moc.checkpoint.twolevel.places import slot_layout
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from moc.train.config import PRESETS

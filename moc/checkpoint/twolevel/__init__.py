@@ -9,7 +9,10 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     snapshot_plan    what one checkpoint copies and persists: a pure function
     snapshotter      `Snapshotter`: slots + snapshot thread + replicas; `stage` -> a handle
     executor         `PersistExecutor`: persist requests; `execute` -> a future outcome
-    slots            the snapshot slots in shared memory: files, mappings, views, pinning
+    slots            the snapshot slots in shared memory: files, mappings, pinning, headers
+    places           where each tensor lies in a slot (pure): layouts and views
+    state_cache      the flattened state kept between snapshots, checked at each plan
+    snapshot_tensors what one snapshot copies, in the form the capture takes it
     capture          filling a slot: captured (the copies training waits for), then sealed
     native           copies and checksums of many buffers in one native call (C, or Python)
     worker           the snapshot thread: plan, capture, seal

@@ -44,7 +44,8 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.format import CHECKSUM
 from moc.checkpoint.twolevel import native
-from moc.checkpoint.twolevel.slots import SlotEntry, SlotView, SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.places import SlotView
+from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.snapshot_tensors import (
     SnapshotTensors,
     TensorList,

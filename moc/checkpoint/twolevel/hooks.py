@@ -25,7 +25,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from moc.checkpoint.twolevel.slots import slot_layout
+from moc.checkpoint.twolevel.places import slot_layout
 
 if TYPE_CHECKING:
     from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer

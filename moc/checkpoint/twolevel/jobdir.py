@@ -24,6 +24,7 @@ symbolic links. See docs/THREAT_MODEL.md.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -308,3 +309,52 @@ as text); removed when the job is claimed again (`claim_job`)."""
 SNAPSHOT_HEADERS = "*/slot-*.json"
 """The sealed snapshots of a job's directory (`slots.SnapshotStore.header_path`, in
 `rank-*` and `replica-*`): what a restart could resume from."""
+
+
+def reserve(path: Path, size: int, grow_to: int, job: str) -> int:
+    """Make the slot file `path` at least `size` bytes (`grow_to` when it must grow:
+    `slots.slot_capacity`) with every page of it reserved (allocated in the file system,
+    not merely within its length); its length. CheckpointError when there is no room.
+
+    Design note: a tmpfs file can be longer than the memory it holds (a sparse file),
+    and a store into a page it does not hold kills the writer with SIGBUS when the
+    file system is full (a receive into one fails with EFAULT), so a writer never maps
+    a file whose pages are not all reserved. A file that is long enough is trusted
+    only when its allocated blocks cover its length (`st_blocks`): a reservation an
+    earlier process failed, or a file created some other way, is reserved again. When
+    a reservation fails the file is truncated to nothing, so that it neither holds
+    memory others need nor looks reserved by its length. Only a slot that holds no
+    complete snapshot is reserved (its header is gone first), so nothing is lost."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_size >= size and st.st_blocks * 512 >= st.st_size:
+            return st.st_size  # long enough, and every page of it reserved
+        want = st.st_size if st.st_size >= size else grow_to
+        try:
+            if want:
+                # Sizes the file too. Trusted when it succeeds, whatever st_blocks
+                # says later (a compressing file system may count fewer blocks).
+                _allocate(fd, want, job)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            raise CheckpointError(
+                f"cannot reserve {want / 1e6:.1f} MB for a snapshot in {path.parent}: "
+                f"{e.strerror}; give the node more shared memory (e.g. docker "
+                "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
+        return want
+    finally:
+        os.close(fd)
+
+
+def _allocate(fd: int, size: int, job: str) -> None:
+    """Reserve `size` bytes of file `fd`; when the shared memory is full, once more after
+    removing the dead jobs' snapshots kept for their restart (`jobdir.make_room`): a
+    live job's snapshot comes before a dead one's. OSError when there is no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC or not make_room(keep=job):
+            raise
+        os.posix_fallocate(fd, 0, size)

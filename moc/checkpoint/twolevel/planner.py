@@ -163,7 +163,7 @@ class SnapshotPlanner:
 
     # -- one checkpoint ----------------------------------------------------------------------
 
-    def plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor | dict[str, torch.Tensor],
+    def plan(self, step: int, counts: torch.Tensor, rng: dict[str, torch.Tensor],
              extra: dict[str, Any],
              final: bool = False, rejected: str | None = None,
              captured: TakenAtSave | None = None,
@@ -179,7 +179,7 @@ class SnapshotPlanner:
             return self._plan(step, counts, rng, extra, final, rejected, captured,
                               run or {"id": self.config.run_id, "line": []})
 
-    def _plan(self, step: int, counts: torch.Tensor, rng: torch.Tensor | dict[str, torch.Tensor],
+    def _plan(self, step: int, counts: torch.Tensor, rng: dict[str, torch.Tensor],
               extra: dict[str, Any],
               final: bool, rejected: str | None,
               captured: TakenAtSave | None, run: dict[str, Any]) -> SnapshotJob:

@@ -62,14 +62,9 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.format import CRC32C, digest, tensor_bytes
 from moc.checkpoint.twolevel.jobdir import write_private
+from moc.checkpoint.twolevel.places import ALIGN, DTYPE_NAMES
 from moc.checkpoint.twolevel.sizing import snapshot_experts
-from moc.checkpoint.twolevel.slots import (
-    ALIGN,
-    DTYPE_NAMES,
-    SlotEntry,
-    SnapshotHeader,
-    SnapshotStore,
-)
+from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader, SnapshotStore
 
 REPLICA_SLOTS = 2
 """One slot being received, one holding the newest complete replica: the fewest that

@@ -24,14 +24,10 @@ registration per checkpoint once warm. The job's directory and its trust rules:
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import json
 import logging
 import mmap
-import operator
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,23 +41,25 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.format import CHECKSUM
 from moc.checkpoint.twolevel.jobdir import (
     job_dir,
-    make_room,
+    reserve,
     secure_dir,
     secure_job_dir,
     write_private,
 )
 from moc.checkpoint.twolevel.native import digests
+from moc.checkpoint.twolevel.places import (
+    ALIGN,
+    DTYPE_NAMES,
+    SlotLayout,
+    SlotView,
+    as_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 N_SLOTS = 3
 """Snapshot, persist and recovery roles rotate over three slots (the paper's triple
 buffer): a complete snapshot always exists while the next one is being taken."""
-ALIGN = 8
-"""Every tensor of a slot starts at a multiple of this (snapshots and replicas alike)."""
-DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 @dataclass(frozen=True)
@@ -117,84 +115,6 @@ def slot_capacity(size: int) -> int:
 VIEW_LAYOUTS = 64
 """Layouts whose views a slot's mapping keeps: one for complete snapshots, one per
 selection of experts for partial ones (a rotation of N/K selections)."""
-
-
-def slot_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
-    """Where each tensor lies in a slot (in order, each at a multiple of ALIGN), and the
-    bytes they need."""
-    offsets, size = {}, 0
-    for key, t in tensors.items():
-        offsets[key] = size
-        n = t.numel() * t.element_size()
-        size += n + (-n % ALIGN)
-    return offsets, size
-
-
-@dataclass(frozen=True)
-class SlotView:
-    """Where one tensor lies in an open slot, and the slot's memory there: `raw` (its
-    bytes, what a checksum reads) and `typed` (the same bytes with the tensor's dtype
-    and shape, what a copy writes). Kept by the store (`open`): `buffer` is made once."""
-
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    raw: torch.Tensor
-    typed: torch.Tensor
-
-    @classmethod
-    def at(cls, buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
-           ) -> SlotView:
-        """The view of `buf` (a slot's mapping) at `offset` for a tensor of `dtype`, `shape`."""
-        n = torch.Size(shape).numel() * dtype.itemsize
-        raw = buf[offset:offset + n]
-        return cls(offset, dtype, shape, raw, raw.view(dtype).view(shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
-
-    @functools.cached_property
-    def buffer(self) -> np.ndarray:
-        """`raw` as the native copies and checksums take it; once made, reading it over
-        a snapshot's views (`operator.attrgetter`) costs no Python call per tensor."""
-        return _bytes(self.raw)
-
-
-_OFFSET, _DTYPE, _SHAPE = (operator.attrgetter(a) for a in ("offset", "dtype", "shape"))
-
-
-@dataclass(frozen=True, eq=False)
-class SlotLayout:
-    """Where a state's tensors lie in a slot laid out for `size` bytes (`keys[i]` at
-    `offsets[i]`, of `dtypes[i]`, `shapes[i]`): made once per cached flatten
-    (`twolevel.state_cache`), so that opening a slot is not a Python loop over a
-    thousand tensors. A partial snapshot opens a `pick`: the whole state's places."""
-
-    keys: list[str]
-    offsets: list[int]
-    dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]
-    size: int
-    """The bytes the whole layout needs (each tensor at a multiple of ALIGN)."""
-
-    @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor]) -> SlotLayout:
-        """The layout of `tensors`, in order (`slot_layout`)."""
-        offsets, size = slot_layout(tensors)
-        return cls(list(tensors), list(offsets.values()), [t.dtype for t in tensors.values()],
-                   [tuple(t.shape) for t in tensors.values()], size)
-
-    def pick(self, index: list[int]) -> SlotLayout:
-        """The tensors at `index`, in their places in the whole layout."""
-        take = [self.keys, self.offsets, self.dtypes, self.shapes]
-        return SlotLayout(*[list(map(part.__getitem__, index)) for part in take], self.size)
-
-    def placed(self, views: list[SlotView]) -> bool:
-        """Whether `views` (one per key) are this layout's places (C-level passes)."""
-        return (list(map(_OFFSET, views)) == self.offsets
-                and list(map(_DTYPE, views)) == self.dtypes
-                and list(map(_SHAPE, views)) == self.shapes)
 
 
 class PinError(CheckpointError):
@@ -337,7 +257,7 @@ class SnapshotStore:
         if buf is not None and (buf.numel() >= size if allocate else buf.numel() == size):
             if allocate and slot not in self._writable:
                 try:
-                    self._reserve(self.bin_path(slot), buf.numel())
+                    reserve(self.bin_path(slot), buf.numel(), slot_capacity(buf.numel()), self.job)
                 except CheckpointError:  # the file may be truncated: never touch the map
                     self._unmap(slot)
                     raise
@@ -347,7 +267,7 @@ class SnapshotStore:
         self._secure(create=True)
         path = self.bin_path(slot)
         if allocate:
-            size = self._reserve(path, size)
+            size = reserve(path, size, slot_capacity(size), self.job)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = buf
         self._inodes[slot] = path.stat().st_ino
@@ -363,41 +283,6 @@ class SnapshotStore:
         else:
             _fault_in(buf)
         self._writable.add(slot)
-
-    def _reserve(self, path: Path, size: int) -> int:
-        """Make the slot file `path` at least `size` bytes with every page of it reserved
-        (allocated in the file system, not merely within its length); its length.
-
-        Design note: a tmpfs file can be longer than the memory it holds (a sparse file),
-        and a store into a page it does not hold kills the writer with SIGBUS when the
-        file system is full (a receive into one fails with EFAULT), so a writer never maps
-        a file whose pages are not all reserved. A file that is long enough is trusted
-        only when its allocated blocks cover its length (`st_blocks`): a reservation an
-        earlier process failed, or a file created some other way, is reserved again. When
-        a reservation fails the file is truncated to nothing, so that it neither holds
-        memory others need nor looks reserved by its length. Only a slot that holds no
-        complete snapshot is reserved (its header is gone first), so nothing is lost."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            st = os.fstat(fd)
-            if st.st_size >= size and st.st_blocks * 512 >= st.st_size:
-                return st.st_size  # long enough, and every page of it reserved
-            want = st.st_size if st.st_size >= size else slot_capacity(size)
-            try:
-                if want:
-                    # Sizes the file too. Trusted when it succeeds, whatever st_blocks
-                    # says later (a compressing file system may count fewer blocks).
-                    _allocate(fd, want, self.job)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)
-                raise CheckpointError(
-                    f"cannot reserve {want / 1e6:.1f} MB for a snapshot in {self.dir}: "
-                    f"{e.strerror}; give the node more shared memory (e.g. docker "
-                    "--shm-size) or point MOC_SHM_ROOT at a larger tmpfs") from None
-            return want
-        finally:
-            os.close(fd)
 
     def _unmap(self, slot: int) -> None:
         buf = self._maps.pop(slot, None)
@@ -500,7 +385,7 @@ class SnapshotStore:
             n = torch.Size(e.shape).numel() * torch.empty((), dtype=dtype).element_size()
             raw[key] = buf[e.offset:e.offset + n]
         if verify:
-            got = digests([_bytes(r) for r in raw.values()], threads)
+            got = digests([as_bytes(r) for r in raw.values()], threads)
             for key, crc in zip(raw, got, strict=True):
                 if crc != header.entries[key].crc:
                     raise CheckpointError(f"snapshot {self.dir}/slot-{slot} step "
@@ -519,23 +404,6 @@ def register_host(buf: torch.Tensor, device: torch.device) -> int:
 def unregister_host(buf: torch.Tensor) -> None:
     """Undo `register_host` (before the mapping goes)."""
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-
-
-def _allocate(fd: int, size: int, job: str) -> None:
-    """Reserve `size` bytes of file `fd`; when the shared memory is full, once more after
-    removing the dead jobs' snapshots kept for their restart (`jobdir.make_room`): a
-    live job's snapshot comes before a dead one's. OSError when there is no room."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno != errno.ENOSPC or not make_room(keep=job):
-            raise
-        os.posix_fallocate(fd, 0, size)
-
-
-def _bytes(raw: torch.Tensor) -> np.ndarray:
-    """A uint8 tensor's memory as a buffer (an empty one has none to export)."""
-    return raw.numpy() if raw.numel() else np.empty(0, dtype=np.uint8)
 
 
 def _fault_in(buf: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moc.checkpoint.twolevel.slots import SlotLayout
+from moc.checkpoint.twolevel.places import SlotLayout, as_bytes
 
 _VERSION = operator.attrgetter("_version")
 _IS_CUDA = operator.attrgetter("is_cuda")
@@ -40,11 +40,6 @@ def version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
-
-
-def as_bytes(raw: torch.Tensor) -> np.ndarray:
-    """A uint8 tensor's memory as a buffer (an empty one has none to export)."""
-    return raw.numpy() if raw.numel() else np.empty(0, dtype=np.uint8)
 
 
 def host_bytes(t: torch.Tensor) -> np.ndarray:

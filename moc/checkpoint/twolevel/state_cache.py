@@ -44,7 +44,7 @@ import torch
 
 from moc.checkpoint.shards import is_dtensor
 from moc.checkpoint.state import RankState, TakenAtSave, TorchOptimizerState
-from moc.checkpoint.twolevel.slots import SlotLayout
+from moc.checkpoint.twolevel.places import SlotLayout
 from moc.checkpoint.twolevel.snapshot_tensors import Picked, SnapshotTensors, TensorList
 
 _LOCAL = operator.attrgetter("_local_tensor")  # a DTensor's piece, as torch keeps it
@@ -222,7 +222,6 @@ class FlatState:
     def __init__(self, state: RankState) -> None:
         self.state = state
         self._layout: StateLayout | None = None
-        self._rng_keys: list[str] = []  # the key(s) of a tensor `rng` (learned at a build)
         self._misses = 0  # consecutive checks that failed
         self.builds = 0
         """Layouts made (a miss of the check, or none kept): for tests and reports."""
@@ -232,11 +231,11 @@ class FlatState:
         the state it replaced is not kept alive until the next snapshot."""
         self._layout = None
 
-    def take(self, rng: torch.Tensor | dict[str, torch.Tensor] | None,
-             captured: TakenAtSave | None) -> Flat:
+    def take(self, rng: dict[str, torch.Tensor] | None, captured: TakenAtSave | None
+             ) -> Flat:
         """This snapshot's flattened state (`RankState.flatten(rng, captured)`): the
         layout kept since the last snapshot when its sources are current, else a new
-        one. `rng`: the RNG state taken at `save()`, one tensor or {key: tensor}."""
+        one. `rng`: the generators' states taken at `save()` (`RankState.rng`)."""
         layout = self._layout
         if captured is None or rng is None or layout is None or layout.sources is None:
             return self._build(rng, captured)
@@ -244,17 +243,10 @@ class FlatState:
             self._misses += 1
             return self._build(rng, captured)
         self._misses = 0
-        tail = captured.tensors()
-        if isinstance(rng, dict):
-            tail.update(rng)
-        elif len(self._rng_keys) == 1:
-            tail[self._rng_keys[0]] = rng
-        else:  # a tensor `rng` where the layout was made with a dict: flatten anew
-            return self._build(rng, captured)
-        return Flat(layout, tail)
+        return Flat(layout, {**captured.tensors(), **rng})
 
-    def _build(self, rng: torch.Tensor | dict[str, torch.Tensor] | None,
-               captured: TakenAtSave | None) -> Flat:
+    def _build(self, rng: dict[str, torch.Tensor] | None, captured: TakenAtSave | None
+               ) -> Flat:
         """Flatten, and keep the layout unless it cannot be checked or kept."""
         self.builds += 1
         cacheable = (captured is not None and rng is not None
@@ -262,11 +254,7 @@ class FlatState:
         sources = Sources.of(self.state) if cacheable else None  # before the flatten reads
         full = self.state.flatten(rng, captured)
         tail_keys = set(captured.tensors()) if captured is not None else set()
-        if isinstance(rng, dict):
-            tail_keys |= set(rng)
-        elif rng is not None:
-            self._rng_keys = [key for key, t in full.items() if t is rng]
-            tail_keys |= set(self._rng_keys)
+        tail_keys |= set(rng or ())
         tail = {key: t for key, t in full.items() if key in tail_keys}
         static = {key: t for key, t in full.items() if key not in tail_keys}
         if len(tail) != len(tail_keys):  # the flatten is made otherwise than assumed

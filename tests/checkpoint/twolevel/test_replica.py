@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel.capture import write_snapshot
 from moc.checkpoint.twolevel.jobdir import remove_job
+from moc.checkpoint.twolevel.places import slot_layout
 from moc.checkpoint.twolevel.replica import (
     REPLICA_SLOTS,
     ReplicaStore,
@@ -35,7 +36,6 @@ from moc.checkpoint.twolevel.slots import (
     SnapshotHeader,
     SnapshotStore,
     slot_capacity,
-    slot_layout,
 )
 from tests.distributed import _entry, free_port, run_ranks
 

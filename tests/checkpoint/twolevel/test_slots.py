@@ -20,7 +20,7 @@ from moc.checkpoint import liveness
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.twolevel import native, slots
+from moc.checkpoint.twolevel import native, places, slots
 from moc.checkpoint.twolevel.capture import HostCopy, capture, seal, write_snapshot
 from moc.checkpoint.twolevel.jobdir import OWNER, claim_job, job_dir, remove_stale_jobs
 from moc.checkpoint.twolevel.slots import SnapshotStore
@@ -374,7 +374,7 @@ def test_the_native_copies_write_exactly_the_bytes_the_python_copy_writes(monkey
     sizes = [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 1000, 4097, 10_001, (512 << 10) + 3]
     state = {f"t{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
              for n in sizes}
-    offsets, size = slots.slot_layout(state)
+    offsets, size = places.slot_layout(state)
     assert any(off % 16 == 8 for off in offsets.values())  # a head to copy, not only blocks
     out = {}
     for batched in (True, False):
@@ -562,7 +562,7 @@ def test_a_slot_read_by_a_restore_is_pinned_before_the_next_capture_into_it(cuda
     headers = store.headers()
     store.read(1, headers[1])  # the restore reads the newest snapshot
     assert not cudart.pinned
-    size = slots.slot_layout(state)[1]
+    size = places.slot_layout(state)[1]
     store.prepare(size)  # the engine's, after the first optimizer step
     for slot in range(slots.N_SLOTS):  # every slot mapped, and every one pinned
         buf = store._maps[slot]
