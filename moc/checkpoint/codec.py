@@ -88,6 +88,14 @@ def decode(data: bytes) -> Any:
     return _decode(tree)
 
 
+_STR = frozenset((str,))
+_JSON_SCALARS = frozenset((str, int, type(None)))
+"""Types of the elements of a list (or values of a dict with str keys) that JSON carries
+exactly as they are (not bool, an int subclass kept apart by `set(map(type, ...))`; not
+float: infinities need a tag): such a list or dict is sent and read in one C-level pass,
+not one Python call per element (a persist message lists a snapshot's thousand keys)."""
+
+
 def _encode(obj: Any) -> Any:
     if obj is None or isinstance(obj, bool | str):
         return obj
@@ -96,11 +104,15 @@ def _encode(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
     if isinstance(obj, list):
+        if set(map(type, obj)) <= _JSON_SCALARS:  # a list of keys: one C-level pass
+            return obj
         return [_encode(v) for v in obj]
     if isinstance(obj, tuple):
         return {TAG: "tuple", "items": [_encode(v) for v in obj]}
     if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and TAG not in obj:
+        if set(map(type, obj)) <= _STR and TAG not in obj:
+            if set(map(type, obj.values())) <= _JSON_SCALARS:
+                return obj
             return {k: _encode(v) for k, v in obj.items()}
         return {TAG: "map", "items": [[_encode(k), _encode(v)] for k, v in obj.items()]}
     cls = type(obj)
@@ -115,10 +127,14 @@ def _encode(obj: Any) -> Any:
 
 def _decode(tree: Any) -> Any:
     if isinstance(tree, list):
+        if set(map(type, tree)) <= _JSON_SCALARS:
+            return tree
         return [_decode(v) for v in tree]
     if not isinstance(tree, dict):
         return tree  # None, bool, int, float, str: JSON's own
     if TAG not in tree:
+        if set(map(type, tree.values())) <= _JSON_SCALARS:
+            return tree
         return {k: _decode(v) for k, v in tree.items()}
     kind = tree[TAG]
     try:

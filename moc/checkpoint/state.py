@@ -111,6 +111,7 @@ class TorchOptimizerState:
         self.optimizer = optimizer
         self.groups = groups if groups is not None else optimizer
         self._name_of = {id(p): n for n, p in model.named_parameters()}
+        self._names: dict[tuple[int, ...], list[str]] = {}  # `describe_groups`' cache
         unknown = [p for g in optimizer.param_groups for p in g["params"]
                    if id(p) not in self._name_of]
         if unknown:
@@ -129,7 +130,7 @@ class TorchOptimizerState:
         load_named_state(self.optimizer, self._name_of, states)
 
     def hyperparameters(self) -> list[dict[str, Any]]:
-        return describe_groups(self.groups.param_groups, self._name_of)
+        return describe_groups(self.groups.param_groups, self._name_of, self._names)
 
     def load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         set_hyperparameters(self.groups.param_groups, groups)
@@ -213,12 +214,33 @@ def placed_like_torch(key: str, v: torch.Tensor, p: torch.Tensor, group: dict[st
     return v
 
 
-def describe_groups(param_groups: list[dict[str, Any]], name_of: dict[int, str]
+NAMES_KEPT = 16
+"""Parameter lists whose names a cache of `describe_groups` or `_plain_groups` keeps (a
+few groups, remade when a group's parameters change)."""
+
+
+def describe_groups(param_groups: list[dict[str, Any]], name_of: dict[int, str],
+                    cache: dict[tuple[int, ...], list[str]] | None = None
                     ) -> list[dict[str, Any]]:
     """`hyperparameters()` of torch param groups: every entry but "params" as it is, and
-    the names of the group's parameters (`name_of`: id of a parameter -> its name)."""
-    return [{**{k: v for k, v in g.items() if k != "params"},
-             "params": [name_of[id(p)] for p in g["params"]]} for g in param_groups]
+    the names of the group's parameters (`name_of`: id of a parameter -> its name).
+
+    `cache`: the names of each list of parameters (by their ids, a C-level pass) kept
+    between calls, which run at every save on the training thread: a group's names are
+    then looked up, not made again one parameter at a time. The lists it returns are the
+    cache's: read them, never change them."""
+    out = []
+    for g in param_groups:
+        ids = tuple(map(id, g["params"]))
+        names = None if cache is None else cache.get(ids)
+        if names is None:
+            names = list(map(name_of.__getitem__, ids))
+            if cache is not None:
+                if len(cache) >= NAMES_KEPT:
+                    cache.clear()
+                cache[ids] = names
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return out
 
 
 def set_hyperparameters(param_groups: list[dict[str, Any]], groups: list[dict[str, Any]]
@@ -274,11 +296,17 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+"""Types a list may hold for `_read_host_copies` to return it as it is."""
+
+
 def _read_host_copies(v: Any) -> Any:
     """`_jsonable`'s value with the host copies `_host_copy` queued read out."""
     if isinstance(v, torch.Tensor):
         return v.tolist()
     if isinstance(v, list):
+        if set(map(type, v)) <= _PLAIN:  # a group's parameter names: one C-level pass
+            return v
         return [_read_host_copies(x) for x in v]
     if isinstance(v, dict):
         return {k: _read_host_copies(x) for k, x in v.items()}
@@ -303,9 +331,11 @@ def encode_param_groups(groups: list[dict[str, Any]], spec: ExpertSpec) -> torch
 
 
 def _plain_groups(groups: list[dict[str, Any]], spec: ExpertSpec,
-                  tensor: Callable[[torch.Tensor], Any] | None = None
+                  tensor: Callable[[torch.Tensor], Any] | None = None,
+                  cache: dict[tuple[str, ...], list[str]] | None = None
                   ) -> list[dict[str, Any]]:
-    """`encode_param_groups`' groups as JSON values (`tensor`: as `_jsonable`'s)."""
+    """`encode_param_groups`' groups as JSON values (`tensor`: as `_jsonable`'s).
+    `cache`: each group's stable names, by its names (as `describe_groups`' cache)."""
     out = []
     for i, g in enumerate(groups):
         entry: dict[str, Any] = {}
@@ -320,7 +350,15 @@ def _plain_groups(groups: list[dict[str, Any]], spec: ExpertSpec,
                                 "JSON form; it is not checkpointed", i, k, type(v).__name__)
                 continue
             entry[k] = value
-        entry["params"] = stable_names(g.get("params", []), spec)
+        names = tuple(g.get("params", ()))
+        stable = None if cache is None else cache.get(names)
+        if stable is None:
+            stable = stable_names(names, spec)
+            if cache is not None:
+                if len(cache) >= NAMES_KEPT:
+                    cache.clear()
+                cache[names] = stable
+        entry["params"] = stable
         out.append(entry)
     return out
 
@@ -918,6 +956,10 @@ class RankState:
     """This rank's RNG keys, each with the device whose generator it holds
     (`rank_generators`): the CPU's and that of each accelerator its parameters live on,
     as the engine found them when it was built."""
+    names: dict[tuple[str, ...], list[str]] = field(default_factory=dict, init=False,
+                                                    repr=False, compare=False)
+    """The param groups' stable names by their names, kept between saves
+    (`_plain_groups`: made once, not at every save on the training thread)."""
     named: Named = field(default=(), init=False)
     """The model's parameters by name, as it held them when the engine was built. Kept,
     not looked up at each save: FSDP2 swaps a module's sharded parameters for unsharded
@@ -1012,7 +1054,7 @@ class RankState:
         groups = None
         if _has_hyperparameters(self.optimizer):
             groups = _plain_groups(self.optimizer.hyperparameters(),  # type: ignore[attr-defined]
-                                   self.spec, tensor=_host_copy)
+                                   self.spec, tensor=_host_copy, cache=self.names)
         return TakenAtSave(_buffers(self.model, self.spec, clone=True), groups)
 
     def sizing(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ class ShardedAdamW:
         dense, experts = split_parameters(model)
         self._by_name = dict(dense + experts)
         self._name_of = {id(p): n for n, p in self._by_name.items()}
+        self._names: dict[tuple[int, ...], list[str]] = {}  # `describe_groups`' cache
         self._layout = groups.layout
         self._expert_names = {n for n, _ in experts}
         kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -139,8 +140,8 @@ class ShardedAdamW:
         """Every param group (dense decayed, dense not decayed, then the same for
         experts), with every rank's parameters: ZeRO's wrapper holds them all and drives
         the hyperparameters (it copies them into its partition at each step)."""
-        return [g for opt in self.optimizers for g in describe_groups(opt.param_groups,
-                                                                      self._name_of)]
+        return [g for opt in self.optimizers for g in describe_groups(
+            opt.param_groups, self._name_of, self._names)]
 
     def load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         """Set every group's hyperparameters, in the order `hyperparameters()` lists them,

@@ -132,8 +132,10 @@ class ChainState:
         step saved again)."""
         if self.manifest is None:
             return self.all_experts()
-        return [sorted(set(ids) | {e for e in range(self.spec.n_experts)
-                                   if self.saved_at[m, e] >= step})
+        # One read of the tensor: indexing it per expert was a call each, 5 ms per
+        # snapshot at 16 layers x 16 experts, on the snapshot thread.
+        saved_at = self.saved_at.tolist()
+        return [sorted(set(ids) | {e for e, at in enumerate(saved_at[m]) if at >= step})
                 for m, ids in enumerate(selected)]
 
     def template(self, step: int, *, mode: str, layout: dict[str, int],

@@ -337,6 +337,9 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
             return restore_engine(self.parts, self.snapshots, self.books, step)
         finally:
             self.persist.add_tidy(self.parts.tidy)  # what the read path left to tidy
+            # The restore replaced the optimizer's state: the cached layout would keep
+            # the old tensors alive until the next plan found it stale.
+            self.planner.forget_layout()
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.twolevel import state_cache
 from moc.checkpoint.twolevel.capture import HostCopy, capture, seal
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.slots import SlotLayout, SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.places import SlotLayout
+from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 from moc.checkpoint.twolevel.snapshot_tensors import Picked, SnapshotTensors
 from moc.model import ModelConfig, Transformer
 
@@ -253,19 +254,14 @@ def test_a_kept_selection_copies_the_tensors_as_they_are_at_each_capture(fused):
 def _calls_per_snapshot(tmp_path, cfg: ModelConfig, snapshots: int) -> tuple[int, int]:
     """(Python calls and calls of C functions the snapshot thread makes per snapshot,
     the tensors a snapshot holds), once the layout is kept and every selection seen.
-
-    Left out: calls inside `moc.checkpoint.codec` (the persist process's message carries
-    every key the snapshot holds, encoded one call per key) and `moc.checkpoint.state`
-    (the param groups' JSON, one call per parameter group entry): both still grow with
-    the state, and are not the snapshot's (the report of issue 45 says how they can
-    stop)."""
+    Every call counts: the persist message (its key lists encoded in one C-level pass,
+    `codec`) and the param groups' JSON (their names read as they are) included."""
     model, opt = _build(cfg=cfg)
     ckpt = _engine(tmp_path / str(cfg.n_experts), model, opt, policy=PECPolicy(k=None))
     counts = {"call": 0, "c_call": 0}
-    skipped = ("checkpoint/codec.py", "checkpoint/state.py")
 
     def profile(frame, event, arg):
-        if event in counts and not frame.f_code.co_filename.endswith(skipped):
+        if event in counts:
             counts[event] += 1
 
     for step in (1, 2, 3):  # the layout is made, the share and the selection remembered
@@ -286,12 +282,14 @@ def _calls_per_snapshot(tmp_path, cfg: ModelConfig, snapshots: int) -> tuple[int
 
 def test_the_snapshot_threads_python_calls_do_not_grow_with_the_tensors(tmp_path):
     """Per snapshot, the snapshot thread's calls for a model of N tensors and for one of
-    about 4N: before the cache, about 40 per tensor (25,965 at `bench`'s 610); now the
-    same few hundred for both, give or take what grows with the layers (selection)."""
+    about 7N with as many layers: before the cache, about 40 per tensor (25,965 at
+    `bench`'s 610); now about the same thousand for both (1152 and 1155 when written).
+    What grows with the MoE layers (the selection, the token counts' rows) is not held
+    to this: a model has tens of layers, and thousands of tensors."""
     small, n_small = _calls_per_snapshot(tmp_path, CFG, 3)
-    big_cfg = ModelConfig(seq_len=8, d_model=16, n_layers=4, n_heads=2, d_ffn=32,
-                          n_experts=16)
+    big_cfg = ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32,
+                          n_experts=48)  # as many layers: what grows per layer stays
     big, n_big = _calls_per_snapshot(tmp_path, big_cfg, 3)
-    assert n_big >= 3 * n_small
+    assert n_big >= 6 * n_small
     print(f"calls per snapshot: {small} for {n_small} tensors, {big} for {n_big}")
     assert big - small < 0.1 * (n_big - n_small), (small, n_small, big, n_big)
