@@ -106,8 +106,28 @@ stopped one is killed at once: it can neither finish nor exit)."""
 _MESSAGES = (Hello, Ready, Failed, Persist, Abandon, Stop, Done)
 
 
+SUN_PATH_MAX = 107
+"""The longest path a Unix socket's address holds (`sun_path`: 108 bytes, NUL included)."""
+_dir_fds: dict[str, int] = {}
+
+
 def socket_path(jdir: Path) -> str:
-    return str(jdir / "persist.sock")
+    """The job's socket, `<job dir>/persist.sock`, or, when that path is too long for a
+    socket address (a deep job directory: "AF_UNIX path too long"), the same file
+    reached through a descriptor of the job directory that this process keeps open,
+    `/proc/self/fd/<n>/persist.sock`, which Linux resolves for bind and connect alike."""
+    path = str(jdir / "persist.sock")
+    if len(os.fsencode(path)) <= SUN_PATH_MAX or not os.path.isdir("/proc/self/fd"):
+        return path
+    fd = _dir_fds.get(str(jdir))
+    if fd is not None:  # still that directory? (a job directory made again is another)
+        now, held = os.stat(jdir), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            os.close(fd)
+            fd = None
+    if fd is None:
+        fd = _dir_fds[str(jdir)] = os.open(jdir, os.O_PATH | os.O_DIRECTORY)
+    return f"/proc/self/fd/{fd}/persist.sock"
 
 
 def secret_path(jdir: Path) -> Path:
@@ -387,7 +407,7 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
         if process is not None and process.poll() is not None:
             raise CheckpointError(
                 f"the persist process exited with code {process.returncode} before it "
-                f"listened on {path} (its error is above, on this job's stderr); "
+                f"listened on {jdir / 'persist.sock'} (its error is above, on this job's stderr); "
                 "checkpoints cannot reach storage: fix that error and restart the job")
         key = secret()
         if key is not None:
@@ -397,9 +417,9 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
                 pass
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"no persist process answered on {path} within {timeout_s:.0f} s; rank 0 "
-                "starts it: look for rank 0's error, or a second job using the same "
-                "checkpoint directory")
+                f"no persist process answered on {jdir / 'persist.sock'} within "
+                f"{timeout_s:.0f} s; rank 0 starts it: look for rank 0's error, or a "
+                "second job using the same checkpoint directory")
         time.sleep(0.05)
 
 
