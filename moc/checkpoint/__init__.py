@@ -12,6 +12,8 @@ tests/test_dependencies.py).
     dist.py         every collective, and which thread may use them
     spec.py         which parameters are experts; stable keys
     shards.py       DTensor placements as boxes: pieces of a tensor, and their tiling
+    optimizers.py   an optimizer as the engines see it: torch's, ZeRO's partition, and
+                    optimizers that step others (torchtitan's container), read through
     state.py        a rank's state flattened under those keys, and installed back
     parts.py        the parts every engine is built from
     lineage.py      which line of training a checkpoint is; saves that never go back

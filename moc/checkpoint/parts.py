@@ -20,16 +20,12 @@ from moc.checkpoint.dist import Dist, RankError, raise_failures
 from moc.checkpoint.failures import DEFAULT_MAX_FAILURES, FailurePolicy
 from moc.checkpoint.lineage import Lineage, SaveOrder, segment_id
 from moc.checkpoint.modelconfig import model_config_of
+from moc.checkpoint.optimizers import NoOptimizer, as_optimizer_state
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.state import (
-    NoOptimizer,
-    RankState,
-    as_optimizer_state,
-    default_model_meta,
-)
+from moc.checkpoint.state import RankState, default_model_meta
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.identity import ensure_run_id, read_run_id
 from moc.checkpoint.store.lock import DirectoryLock

@@ -4,8 +4,8 @@ restore, whatever model and optimizer hold it.
 The checkpoint engines see a model only through an `ExpertSpec` and an optimizer only
 through `OptimizerState`: which parameters' state this rank holds, that state keyed by
 parameter name, and a way to put it back. moc's `ShardedAdamW` provides them directly;
-any `torch.optim.Optimizer` (or `ZeroRedundancyOptimizer`, its local partition) is
-adapted here.
+torch's optimizers, ZeRO's partition and optimizers that step others (torchtitan's
+`OptimizersContainer`) are adapted in `moc.checkpoint.optimizers`.
 
     local_state(...)      this rank's parameters, persistent buffers, owned optimizer
                           state, the optimizer's param groups and RNG (views but the
@@ -30,12 +30,17 @@ import logging
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from moc.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from moc.checkpoint.optimizers import (
+    NAMES_KEPT,
+    NoOptimizer,
+    OptimizerState,
+)
 from moc.checkpoint.shards import (
     Box,
     Placed,
@@ -63,204 +68,10 @@ from moc.checkpoint.spec import (
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-"""Param group entries saved for the record but never restored: they choose how this
-process computes the update (kernels for its device), not what the update is; a CUDA
-run's `fused=True` restored into a CPU process would fail at its first step."""
 
 PARAM_GROUPS_VERSION = 1
 """Version of the JSON under `optim/param_groups`; a reader refuses a newer one."""
 
-
-@runtime_checkable
-class OptimizerState(Protocol):
-    """What the engines need of an optimizer. Two more methods are optional (looked up
-    with `getattr`, so an implementation of only these three keeps working; its
-    hyperparameters are then not checkpointed):
-
-        hyperparameters() -> list[dict[str, Any]]
-            Every param group, in order: its entries but "params" (lr, betas, ...) and
-            "params": the names of its parameters. A sharded optimizer lists the
-            parameters of every rank, so the list is the same on every rank.
-        load_hyperparameters(groups: list[dict[str, Any]]) -> None
-            Set group i's entries from groups[i] (its "params" and the
-            IMPLEMENTATION_FLAGS excepted; `set_hyperparameters` does it).
-    """
-
-    def owned_names(self) -> list[str]:
-        """Parameters whose optimizer state lives on this rank."""
-        ...
-
-    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{param name: {state name: tensor}} for owned parameters that have state."""
-        ...
-
-    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Install `states`; owned parameters missing from it start fresh."""
-        ...
-
-
-class TorchOptimizerState:
-    """Adapts a plain `torch.optim.Optimizer` (every parameter's state is local), or the
-    local partition of a `ZeroRedundancyOptimizer` (`optimizer`) with the wrapper whose
-    param groups hold every rank's parameters and drive the hyperparameters (`groups`:
-    ZeRO copies them into the partition at each step)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                 groups: torch.optim.Optimizer | None = None) -> None:
-        self.optimizer = optimizer
-        self.groups = groups if groups is not None else optimizer
-        self._name_of = {id(p): n for n, p in model.named_parameters()}
-        self._names: dict[tuple[int, ...], list[str]] = {}  # `describe_groups`' cache
-        unknown = [p for g in optimizer.param_groups for p in g["params"]
-                   if id(p) not in self._name_of]
-        if unknown:
-            raise ValueError(f"the optimizer holds {len(unknown)} tensors that are not "
-                             "parameters of the model; pass the model it optimizes")
-
-    def owned_names(self) -> list[str]:
-        return [self._name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-
-    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {self._name_of[id(p)]: {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                                       for k, v in state.items()}
-                for p, state in self.optimizer.state.items() if state}
-
-    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        load_named_state(self.optimizer, self._name_of, states)
-
-    def hyperparameters(self) -> list[dict[str, Any]]:
-        return describe_groups(self.groups.param_groups, self._name_of, self._names)
-
-    def load_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
-        set_hyperparameters(self.groups.param_groups, groups)
-        if self.groups is not self.optimizer:  # the partition too, not only at the next step
-            set_hyperparameters(self.optimizer.param_groups, groups)
-
-
-class NoOptimizer:
-    """The optimizer of a model-only engine (`optimizer=None`): it owns no parameters and
-    holds no state, so a restore installs the model alone and whatever optimizer state
-    the checkpoint holds is not read."""
-
-    def owned_names(self) -> list[str]:
-        return []
-
-    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {}
-
-    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        assert not states, "a model-only restore reads no optimizer state"
-
-
-def as_optimizer_state(optimizer: object, model: nn.Module) -> OptimizerState:
-    """The engines' view of `optimizer`; None gives a model-only one (`NoOptimizer`)."""
-    if optimizer is None:
-        return NoOptimizer()
-    if isinstance(optimizer, OptimizerState):
-        return optimizer
-    if is_instance_of_loaded(optimizer, "torch.distributed.optim",
-                             "ZeroRedundancyOptimizer"):
-        return TorchOptimizerState(optimizer.optim, model, groups=optimizer)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return TorchOptimizerState(optimizer, model)
-    raise TypeError(f"cannot checkpoint optimizer of type {type(optimizer).__name__}: expected "
-                    "a torch.optim.Optimizer or an object with owned_names/local_state/"
-                    "load_local_state (see moc.checkpoint.state.OptimizerState)")
-
-
-def load_named_state(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
-                     states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Replace the state of every parameter of `optimizer` by `states[name]`, each entry
-    copied to where torch's own `load_state_dict` puts it (`placed_like_torch`)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state.pop(p, None)
-            state = states.get(name_of[id(p)])
-            if state:
-                optimizer.state[p] = {k: placed_like_torch(k, v, p, group)
-                                      for k, v in state.items()}
-
-
-def placed_like_torch(key: str, v: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
-                      ) -> torch.Tensor:
-    """Optimizer state entry `key` of `p` (`v`: this rank's piece, as read) on the device
-    and in the dtype torch's `Optimizer.load_state_dict` gives it
-    (`Optimizer._process_value_according_to_param_policy`), always a copy.
-
-    Design note. torch's rule, mirrored: `step` in float32 on the parameter's device when
-    its group is `fused` or `capturable` (their kernels read it there: a capturable
-    AdamW asserts at its first step when it is on the host), else as stored (on the
-    host); any other entry on the parameter's device, in the parameter's dtype when that
-    is floating point (a bf16 model's moments are bf16, whatever run wrote them). torch
-    reads the flags of the groups it loads; moc keeps the restoring process's own
-    (IMPLEMENTATION_FLAGS are never restored), so those choose here: they decide which
-    kernels will read the state. A DTensor parameter's non-scalar state is a DTensor laid
-    out as the parameter (torch's optimizers compute with both together); a scalar is a
-    plain tensor on its local device, as torch's optimizers create `step` for a DTensor
-    (`torch.zeros((), device=p.device)`). The copy is not optional: `.to()` returns its
-    input when nothing changes, and a view into a mapped file (a snapshot, a checkpoint
-    read with mmap) must never become state the optimizer updates in place."""
-    if key == "step":
-        if group.get("fused") or group.get("capturable"):
-            return v.to(dtype=torch.float32, device=p.device, copy=True)
-        return v.clone()
-    v = v.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None, copy=True)
-    if is_dtensor(p) and v.dim():
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-    return v
-
-
-NAMES_KEPT = 16
-"""Parameter lists whose names a cache of `describe_groups` or `_plain_groups` keeps (a
-few groups, remade when a group's parameters change)."""
-
-
-def describe_groups(param_groups: list[dict[str, Any]], name_of: dict[int, str],
-                    cache: dict[tuple[int, ...], list[str]] | None = None
-                    ) -> list[dict[str, Any]]:
-    """`hyperparameters()` of torch param groups: every entry but "params" as it is, and
-    the names of the group's parameters (`name_of`: id of a parameter -> its name).
-
-    `cache`: the names of each list of parameters (by their ids, a C-level pass) kept
-    between calls, which run at every save on the training thread: a group's names are
-    then looked up, not made again one parameter at a time. The lists it returns are the
-    cache's: read them, never change them."""
-    out = []
-    for g in param_groups:
-        ids = tuple(map(id, g["params"]))
-        names = None if cache is None else cache.get(ids)
-        if names is None:
-            names = list(map(name_of.__getitem__, ids))
-            if cache is not None:
-                if len(cache) >= NAMES_KEPT:
-                    cache.clear()
-                cache[ids] = names
-        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-    return out
-
-
-def set_hyperparameters(param_groups: list[dict[str, Any]], groups: list[dict[str, Any]]
-                        ) -> None:
-    """`load_hyperparameters()` of torch param groups: set each entry of `groups[i]` but
-    "params" and the IMPLEMENTATION_FLAGS in `param_groups[i]`, in the type it has now (a
-    tuple stays a tuple; a tensor, as capturable optimizers hold lr, is filled in place on
-    its device)."""
-    assert len(param_groups) == len(groups), "groups are matched before they are loaded"
-    for group, saved in zip(param_groups, groups, strict=True):
-        for k, v in saved.items():
-            if k == "params" or k in IMPLEMENTATION_FLAGS:
-                continue
-            now = group.get(k)
-            if isinstance(now, torch.Tensor):
-                now.copy_(torch.as_tensor(v, dtype=now.dtype))
-            elif isinstance(now, tuple) and isinstance(v, list):
-                group[k] = tuple(v)
-            else:
-                group[k] = v
 
 
 _NOT_JSON = object()
@@ -884,6 +695,7 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
             ) -> torch.Tensor:
         return reader.get(key) if piece is None else read_piece(reader, piece, shape, whole)
 
+    _check_state_agrees(optimizer, owned, with_state)
     states = optimizer_state(with_state, names, spec, get)
     # A model-only restore (inference) leaves the process's RNG alone: it resumes no run.
     model_only = isinstance(optimizer, NoOptimizer)
@@ -903,6 +715,24 @@ def load_rank_state(reader: Reader, model: nn.Module, optimizer: OptimizerState,
                     "before buffers were checkpointed?); they keep their current values",
                     _few(missing))
     install_rng(rng)
+
+
+def _check_state_agrees(optimizer: OptimizerState, owned: dict[str, torch.Tensor],
+                        with_state: dict[str, torch.Tensor]) -> None:
+    """Refuse a restore that would drop optimizer state without a word: the optimizer
+    holds state now for parameters the checkpoint has none for, while it has state for
+    others (a checkpoint with no optimizer state at all is one taken before the first
+    step, and a rollback to it starts every parameter fresh, as that run did)."""
+    if not with_state:
+        return
+    dropped = sorted(n for n, s in optimizer.local_state().items()
+                     if s and n in owned and n not in with_state)
+    if dropped:
+        raise IncompatibleCheckpointError(
+            f"the checkpoint holds no optimizer state for {len(dropped)} parameters the "
+            f"optimizer holds state for ({_few(dropped)}), while it holds state for "
+            f"{len(with_state)} others: restoring it would drop that state silently; "
+            "restore with the optimizer of the run that wrote it")
 
 
 def _state_kinds(reader: Reader, prefix: str) -> list[tuple[str, bool]]:

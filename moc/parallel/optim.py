@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moc.checkpoint.state import describe_groups, load_named_state, set_hyperparameters
+from moc.checkpoint.optimizers import describe_groups, load_named_state, set_hyperparameters
 from moc.parallel.grads import split_parameters
 from moc.topology import ParallelGroups
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import moc
-from moc.checkpoint.state import TorchOptimizerState
+from moc.checkpoint.optimizers import TorchOptimizerState
 from moc.model import ModelConfig, Transformer
 from tests.engines import save_now
 

@@ -10,10 +10,11 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from moc.checkpoint.errors import IncompatibleCheckpointError
+from moc.checkpoint.optimizers import TorchOptimizerState
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec, rng_keys, rng_rank_of
-from moc.checkpoint.state import TorchOptimizerState, decode_param_groups
+from moc.checkpoint.state import decode_param_groups
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
@@ -245,7 +246,8 @@ def test_what_a_save_takes_aside_is_its_own_values_and_never_reads_them_back_ear
     tensor learning rate (a capturable optimizer's) copied aside, not read: the values
     are those of the save even when the loop changes them before the plan encodes them,
     and the encoded groups are the same bytes as a direct encoding of that moment."""
-    from moc.checkpoint.state import RankState, as_optimizer_state
+    from moc.checkpoint.optimizers import as_optimizer_state
+    from moc.checkpoint.state import RankState
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ffn=32,
@@ -271,7 +273,7 @@ def test_what_a_save_takes_aside_is_its_own_values_and_never_reads_them_back_ear
 def _zero_is_adapted_as_its_partition(rank: int, world: int) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from moc.checkpoint.state import as_optimizer_state
+    from moc.checkpoint.optimizers import as_optimizer_state
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)

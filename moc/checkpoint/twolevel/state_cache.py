@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
+from moc.checkpoint.optimizers import TorchOptimizerState
 from moc.checkpoint.shards import is_dtensor
-from moc.checkpoint.state import RankState, TakenAtSave, TorchOptimizerState
+from moc.checkpoint.state import RankState, TakenAtSave
 from moc.checkpoint.twolevel.places import SlotLayout
 from moc.checkpoint.twolevel.snapshot_tensors import Picked, SnapshotTensors, TensorList
 
@@ -76,7 +77,7 @@ def _optimizer_states(state: RankState) -> tuple[object | None, dict[Any, dict[s
     `local_state()`."""
     opt = state.optimizer
     if isinstance(opt, TorchOptimizerState):
-        held = opt.optimizer.state
+        held = opt.held()
         return held, held
     return None, opt.local_state()
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from moc.checkpoint.optimizers import TorchOptimizerState
 from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.spec import PARAM_GROUPS_KEY, ExpertSpec
-from moc.checkpoint.state import RankState, TorchOptimizerState
+from moc.checkpoint.state import RankState
 from moc.model import ModelConfig, Transformer
 from moc.model.transformer import Router
 from moc.topology import ParallelLayout
