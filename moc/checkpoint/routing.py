@@ -10,14 +10,18 @@ token ledger as the forward runs:
 
 What is hooked (`find_routers`): for each MoE layer of the `ExpertSpec`, the block that
 holds the layer's expert container (matched through the spec, never by position in the
-model) and its router, the block's child `gate` or `router`. What a forward counted is
-told by what the outputs are, not by names or classes:
+model) and its router, the block's child `gate` or `router` (the block: the experts'
+nearest ancestor with one, as torchtitan 0.3.0's `moe` holds `router` beside
+`routed_experts.inner_experts`). What a forward counted is told by what the outputs
+are, not by names or classes:
 
     the block returns an (E,) integer   the assignments it kept per global expert: moc's
     tensor last                         MoE, (y, aux, counts_E), after capacity dropping
     else the router's output holds      the global expert ids it chose: transformers v5
-    exactly one integer tensor          `*TopKRouter`s return (logits, scores, ids), some
-                                        with a fourth member (Zaya, Inkling)
+    exactly one integer tensor (an      `*TopKRouter`s return (logits, scores, ids), some
+    (E,) one beside it: its counts)     with a fourth member (Zaya, Inkling); torchtitan's
+                                        (scores, ids, scores) and 0.2.x's (scores, ids,
+                                        counts)
     else router logits: a float         top-k of their float32 softmax, k = the router's
     tensor, or a tuple's last float     or the block's `top_k`: transformers v4's `gate`
     tensor with E columns               (an nn.Linear), Llama 4's (scores, logits)
@@ -271,6 +275,10 @@ def read_counts(module: nn.Module, output: Any, n_experts: int, top_k: int | Non
     """A router's (E,) counts, read by what its output is (module docstring)."""
     members = _members(output)
     ids = [t for t in members if _is_int(t)]
+    if len(ids) > 1:
+        # torchtitan 0.2.x: (scores, ids, counts per expert); the (E,) one is the counts
+        # of this forward, the other one the ids chosen.
+        ids = [t for t in ids if tuple(t.shape) != (n_experts,)] or ids
     if len(ids) == 1:  # transformers v5: (logits, scores, ids[, ...]); moc's Routing
         return bincount(ids[0], n_experts)
     if len(ids) > 1:
@@ -328,17 +336,18 @@ def layer_containers(spec: ExpertSpec) -> list[set[str]]:
 
 def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
     """What to hook for each MoE layer of `spec`: the block that holds the layer's
-    experts and its router (its child `gate` or `router`). Raises ValueError naming the
+    experts and its router (its child `gate` or `router`; the nearest ancestor of the
+    experts with such a child). Raises ValueError naming the
     layers it cannot map."""
     named = dict(model.named_modules())
     found: dict[int, Hooked] = {}
     missing = []
-    for layer, containers in enumerate(layer_containers(spec)):
+    per_layer = layer_containers(spec)
+    for layer, containers in enumerate(per_layer):
         blocks = {c.rpartition(".")[0] for c in containers}
         block_name = blocks.pop() if len(blocks) == 1 else None
-        block = named.get(block_name) if block_name is not None else None
-        router = next((r for r in (getattr(block, n, None) for n in ROUTER_NAMES)
-                       if isinstance(r, nn.Module)), None)
+        others = set().union(*per_layer[:layer], *per_layer[layer + 1:])
+        block, router = _routed_block(named, block_name, others)
         if router is None:
             where = (f"block {block_name or '(the model)'}" if block is not None
                      else "experts in several modules")
@@ -354,6 +363,24 @@ def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
             "{layer: module, ...}, indices=fn) with fn(module, inputs, output) -> global "
             "expert ids, or call recorder.observe(layer, ids) from the forward")
     return found
+
+
+def _routed_block(named: dict[str, nn.Module], name: str | None, others: set[str]
+                  ) -> tuple[nn.Module | None, nn.Module | None]:
+    """(block, router) for experts whose parent module is `name`: the parent if it has
+    a router child, else its nearest ancestor that has one (torchtitan 0.3.0: the
+    experts are `moe.routed_experts.inner_experts`, the router `moe.router`) and holds
+    no other MoE layer's experts (`others`); (the parent, None) when there is none."""
+    block = named.get(name) if name is not None else None
+    while name is not None:
+        if any(o == name or o.startswith(f"{name}.") or not name for o in others):
+            break  # this module holds another layer's experts: not this layer's block
+        router = next((r for r in (getattr(named[name], n, None) for n in ROUTER_NAMES)
+                       if isinstance(r, nn.Module)), None)
+        if router is not None:
+            return named[name], router
+        name = name.rpartition(".")[0] if name else None
+    return block, None
 
 
 def _named_routers(model: nn.Module, spec: ExpertSpec,

@@ -106,7 +106,8 @@ class ExpertSpec:
         Local expert i of layer m has global id `offset(m) + i`, where the offset is the
         container's `expert_offset` attribute if it has one (moc's own `Experts` does),
         else `expert_offset` (an int or a function of the layer), else 0.
-        `n_experts` defaults to `model.cfg.n_experts`, else to the largest id + 1.
+        `n_experts` defaults to a batched container's `num_experts` (torchtitan's
+        `GroupedExperts`), else `model.cfg.n_experts`, else the largest id + 1.
         """
         named = dict(model.named_modules())
         params: list[ExpertParam] = []
@@ -128,6 +129,9 @@ class ExpertSpec:
                                                   (offset + i,), mod_name, sharding, piece))
                 continue
             n_local = _batched_size(mod_name, container)
+            declared = getattr(container, "num_experts", None)  # torchtitan's, global
+            if n_experts is None and isinstance(declared, int) and declared > 0:
+                n_experts = declared
             direct = list(container.named_parameters(recurse=False))
             shardings = [sharding_of(prefix + rel, p) for rel, p in direct]
             if any(shardings):
@@ -149,9 +153,10 @@ class ExpertSpec:
         """Find the expert containers by their structure, in the order `named_modules()`
         visits them: any module named `experts` (an `nn.ModuleList` of experts or a
         module of batched tensors), and any module that declares `expert_offset` (the
-        global id of its local expert 0, as moc's own `Experts` does) and holds batched
-        parameters. No model class is imported: a model this package has never seen is
-        recognised the same way. Raises ValueError when there is none."""
+        global id of its local expert 0, as moc's own `Experts` does) or `num_experts`
+        (torchtitan's `GroupedExperts`) and holds batched parameters. No model class
+        is imported: a model this package has never seen is recognised the same way.
+        Raises ValueError when there is none."""
         modules: list[str] = []
         for name, m in model.named_modules():
             inside = any(name.startswith(f"{outer}.") or not outer for outer in modules)
@@ -366,13 +371,28 @@ def _expert_piece(sharding: Sharding | None) -> str:
 
 def _is_expert_container(name: str, module: nn.Module) -> bool:
     """Named `experts`; or a leaf module (no submodules: a block that holds its gate and
-    its experts is not one) that declares `expert_offset` and holds batched parameters
-    only."""
+    its experts is not one) that holds batched parameters only and says it holds
+    experts: it declares `expert_offset` (moc's `Experts`), or `num_experts`, the
+    leading size of each of its parameters (of a DTensor, the global size).
+
+    `num_experts` is how grouped experts say so where their name does not: torchtitan
+    0.3.0's `GroupedExperts` is `moe.routed_experts.inner_experts` (`w1_EFD`,
+    `w2_EDF`, `w3_EFD`, experts first), 0.2.x's was `moe.experts`. An expert's weights
+    are matrices, so one parameter at least is 3-D: a router that declares
+    `num_experts` beside its [E, D] weight (transformers v5's `MixtralTopKRouter`) is
+    no expert container, nor is torchtitan's, which holds its gate."""
     if name.rsplit(".", 1)[-1] == "experts":
         return True
-    if getattr(module, "expert_offset", None) is None or next(module.children(), None):
+    if next(module.children(), None) is not None:
         return False
     direct = list(module.parameters(recurse=False))
-    return bool(direct) and all(p.dim() >= 1 for p in direct)
+    if not direct:
+        return False
+    if getattr(module, "expert_offset", None) is not None:
+        return all(p.dim() >= 1 for p in direct)
+    n = getattr(module, "num_experts", None)
+    return (isinstance(n, int) and not isinstance(n, bool) and n > 0
+            and all(p.dim() >= 2 and p.shape[0] == n for p in direct)
+            and any(p.dim() >= 3 for p in direct))
 
 
