@@ -168,3 +168,25 @@ def test_fsdp2_ep_example_on_two_nodes_recovers_a_lost_node_from_its_peer(tmp_pa
         assert e["hex"] == a[e["step"]], f"step {e['step']} (restart {e['restart']})"
     assert [e["restart"] for e in losses(faulted)].count(1) == 10
     assert "restart 1: resumed from step 10 (peer), lost tokens 0" in printed, printed
+
+
+@pytest.mark.slow  # CI is past 30 minutes already (issue 48): the torchtitan example runs here
+def test_torchtitan_example_resumes_from_memory_bitwise_after_a_sigkill(tmp_path):
+    """torchtitan's own model, parallelisation, OptimizersContainer, LR schedulers and
+    dataloader, checkpointed by moc as they are: a SIGKILLed rank, a torchrun restart, a
+    restore from memory, and every loss equal to the uninterrupted run's."""
+    pytest.importorskip("torchtitan")
+    example = "train_torchtitan.py"
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    torchrun_steps = ["--steps", "12"]
+    run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(EXAMPLES / example), "--out", str(straight), *torchrun_steps, cwd=tmp_path)
+    r = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", str(EXAMPLES / example), "--out", str(faulted),
+            *torchrun_steps, "--fault-at", "8", cwd=tmp_path)
+    assert "restart 1: resumed from step 6 (memory), lost tokens 0" in r.stdout, r.stdout
+    assert [e["restart"] for e in losses(faulted)] == [0] * 8 + [1] * 6
+    r = run(str(EXAMPLES / example), "--compare", str(straight), str(faulted), cwd=tmp_path)
+    assert "every loss bitwise equal (14 steps" in r.stdout
+    straight_losses = {e["step"]: e["loss"] for e in losses(straight)}
+    assert straight_losses[12] < straight_losses[1]  # it did learn
