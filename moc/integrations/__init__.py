@@ -4,7 +4,7 @@
 | --- | --- |
 | `hf_trainer` | `MocTrainer`, `MocTrainerMixin`: `transformers.Trainer`, resumed exactly |
 | `accelerate` | `AcceleratorCheckpointer`: a loop under `accelerate.Accelerator` |
-| `torchtitan` | `MocCheckpointManager` (torchtitan's Trainer, from its config), `TitanCheckpointer` |
+| `torchtitan` | `MocCheckpointManager` (torchtitan's Trainer), `TitanCheckpointer` |
 | `loopstate` | a loop's state beside moc's: RNGs, scheduler, scaler, data layout |
 
 No framework is imported until its module is used.
