@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torchtitan.components.checkpointer.base import BaseCheckpointManager
@@ -52,6 +53,7 @@ from torchtitan.components.checkpointer.base import BaseCheckpointManager
 from moc.checkpoint.api import RecoveryReport
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.routing import RoutingRecorder
+from moc.checkpoint.shards import local
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.integrations.loopstate import decode_state, encode_state, gather_json
 
@@ -94,6 +96,9 @@ class TitanCheckpointer:
                  policy: PECPolicy | None = None, interval: int = 10,
                  engine: type = TwoLevelCheckpointer, **options: Any) -> None:
         self.model = one_model(model_parts)
+        # The default group's device: NCCL gathers device tensors, gloo host ones.
+        first = next(self.model.parameters(), None)
+        self._device = local(first).device if first is not None else torch.device("cpu")
         self.lr_schedulers, self.dataloader = lr_schedulers, dataloader
         self.states = dict(states or {})
         bad = [n for n, s in self.states.items() if not callable(getattr(s, "state_dict", None))]
@@ -152,7 +157,8 @@ class TitanCheckpointer:
             out["lr_schedulers"] = encode_state(self.lr_schedulers.state_dict())
         if self.dataloader is not None:
             # Each data-parallel rank reads its own samples: every rank's position.
-            out["dataloader"] = gather_json(encode_state(self.dataloader.state_dict()))
+            out["dataloader"] = gather_json(encode_state(self.dataloader.state_dict()),
+                                            self._device)
         return out
 
     def load_loop_state(self, report: RecoveryReport) -> None:
