@@ -168,11 +168,21 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          module=worker_module(cfg), spare_nodes=args.spare_nodes,
                          machine_restart_s=args.machine_restart_s,
                          gpus=args.nproc if cfg.device == "cuda" else 0,
-                         shutdown_s=shutdown_s)
+                         shutdown_s=shutdown_s, memory_key=_memory_key(cfg))
     # The workers get a signal too (torchrun forwards it) and say, on rank 0, where they
     # stopped; the agent only reports the signal in its status (moc.train.agent).
     return run_agent(single_node_argv(args.nproc, args.max_restarts, shutdown_s,
                                       worker_module(cfg), worker_argv(args, parser)))
+
+
+def _memory_key(cfg: TrainConfig) -> str | None:
+    """What names the simulated nodes' memory of a run (`nodes.sim_root`): its
+    checkpoint directory's job id, so that the run started again finds it."""
+    if cfg.ckpt_dir is None or cfg.ckpt_mode != "moc":
+        return None
+    from moc.checkpoint.twolevel.jobdir import default_job_id
+
+    return default_job_id(cfg.ckpt_dir)
 
 
 def single_node_argv(nproc: int, max_restarts: int, shutdown_s: int | None, module: str,

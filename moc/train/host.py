@@ -62,10 +62,10 @@ from moc.train.machines import (
     JOB_FINISHED,
     LOST_S,
     NAMESPACE,
+    Claims,
     Identity,
     Lease,
     LeaseWatch,
-    claim,
     lease_gen,
     training_world,
 )
@@ -302,12 +302,13 @@ class RankHost:
         spare = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's: this machine
         leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
         watch = LeaseWatch(self.store, world, per_node)
+        claims = Claims(self.store, spare)
         self.standby = self._start(None, standby=True)
         while self.signal is None and not self.job_store.check([JOB_FINISHED]):
             if leader and (lost := watch.lost_node()) is not None:
                 node, leases = lost
                 watch.forget(node)
-                if claim(self.store, node, leases, spare):
+                if claims.claim(node, leases):
                     self.store.set(f"adopt/{spare}", json.dumps(
                         {"node": node, "leases": leases}))
             if self.store.check([f"adopt/{spare}"]):
@@ -476,8 +477,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-mode", default="moc")
     parser.add_argument("--ckpt-dir")
     known, _ = parser.parse_known_args(argv)
-    return RankHost(argv, known.spares, known.hang_timeout, known.max_replacements,
-                    prestart=known.ckpt_mode == "moc" and known.ckpt_dir is not None).run()
+    import torch.distributed as dist
+
+    try:
+        return RankHost(argv, known.spares, known.hang_timeout, known.max_replacements,
+                        prestart=known.ckpt_mode == "moc" and known.ckpt_dir is not None
+                        ).run()
+    except dist.DistError as e:
+        # The job's store is gone: its launcher (or the machine serving it) died, and
+        # with it in-job recovery. One line, not a traceback from a lease renewal; the
+        # training process goes with this host (`die_with_parent`), and the run started
+        # again finds what this node's memory and storage hold (issue 47).
+        from moc.train.injob import first_line
+
+        print(f"moc train: rank {os.environ.get('RANK', '?')}: the job's store is gone "
+              f"({first_line(e)}): its launcher, or the machine serving it, died; this "
+              "rank stops (started again, the run resumes from memory and storage)",
+              file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ hold no rank, each with a training process imported and waiting) watches them:
 
     every lease of node n unchanged for LOST_S (as this host's clock sees it: no clock is
     shared between machines)
-      -> the standby node's leader claims node n once (compare-and-set on a key named by
-         the lost leader's lease, so a later loss of the same node is a new claim), and
-         tells its other hosts (`adopt/<its node>`)
+      -> the standby node's leader claims node n (compare-and-set on a key named by the
+         lost leader's lease, so a later loss of the same node is a new claim; a claim
+         whose claimant died before it renewed the node's leases is replaced, `Claims`),
+         and tells its other hosts (`adopt/<its node>`)
       -> each of its hosts takes the rank of its own local rank on node n: moves the job
          past the generation the lost rank was in, marks it replaced, and wakes its
          waiting process with that rank's identity (RANK, GROUP_RANK: the node it now
@@ -142,12 +143,35 @@ class LeaseWatch:
             self.seen.pop(r, None)
 
 
-def claim(store: Any, node: int, leases: dict[int, str], spare: int) -> bool:
-    """Whether spare node `spare` won lost `node` (called by the spare node's leader;
-    the key is named by the lost leader's lease, so each loss is claimed once)."""
-    leader = leases[min(leases)].split(":")[0]
-    key = f"takeover/{node}/{leader}"
-    return store.compare_set(key, "", str(spare)).decode() == str(spare)
+class Claims:
+    """A spare node leader's claims on lost nodes. Owner: the spare host's main thread.
+
+    A claim is a compare-and-set on `takeover/<node>/<lost leader's token>` whose value
+    names this claimant and attempt (`<spare>:<token>`). A claimant that dies before its
+    hosts renew the node's leases leaves the node looking lost: whoever finds it lost
+    again, LOST_S after it saw that same claim, replaces the claim (a compare-and-set
+    from the dead claim's value, so one of several spares wins). Before, the key alone
+    decided, and a claimant lost before its first renewal held the node for ever: the
+    job waited for its ranks every 30 s, and the other spare never adopted (issue 47)."""
+
+    def __init__(self, store: Any, spare: int) -> None:
+        self.store, self.spare = store, spare
+        self.seen: dict[str, str] = {}
+        """Per takeover key: the claim this leader last found there (not its own)."""
+
+    def claim(self, node: int, leases: dict[int, str]) -> bool:
+        """Whether this spare node won lost `node` (its ranks' last `leases`)."""
+        leader = leases[min(leases)].split(":")[0]
+        key = f"takeover/{node}/{leader}"
+        mine = f"{self.spare}:{uuid.uuid4().hex[:12]}"
+        current = self.store.compare_set(key, "", mine).decode()
+        if current != mine and self.seen.get(key) == current:
+            # The node is still lost a full LOST_S after that claim: its claimant died.
+            current = self.store.compare_set(key, current, mine).decode()
+        if current == mine:
+            return True
+        self.seen[key] = current
+        return False
 
 
 def lease_gen(lease: str) -> int:

@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from moc.checkpoint.twolevel.jobdir import record_owner
+from moc.checkpoint.errors import CheckpointError
+from moc.checkpoint.twolevel.jobdir import read_owner, record_owner, secure_dir
 from moc.train.agent import TORCHRUN_SHUTDOWN_S
 from moc.train.machines import ENV_NODES, JOB_FINISHED
 
@@ -53,16 +54,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sim_root() -> Path:
-    """A fresh directory only this user can enter (0700), for the nodes' memory: under
+def sim_root(key: str | None = None) -> Path:
+    """A directory only this user can enter (0700), for the nodes' memory: under
     $MOC_SHM_ROOT if set, else /dev/shm (tmpfs, as a node's snapshots are), else the
     temporary directory. This process is recorded as its owner (`slots.record_owner`):
     without that record another job's `remove_stale_jobs` would take it for abandoned
     an hour after its creation (its mtime never changes) and delete the nodes' memory
-    under the running job. OSError when the record cannot be written (the directory is
-    removed then)."""
+    under the running job. OSError when the record cannot be written (a directory made
+    here is removed then).
+
+    `key` (the checkpoint directory's job id) names it `moc-nodes-<key>`, so that the
+    same command started again after its launcher and every process of it died (a
+    SIGKILL of the whole job) finds the dead job's memory, as a machine's own /dev/shm
+    would be found, and restores from it (issue 47: it made a fresh root and resumed
+    from storage, losing tokens, with the snapshots left beside it). A dead launcher's
+    root is taken over; a live one's, or one this user does not own alone, never is:
+    a fresh root is made instead."""
     base = os.environ.get("MOC_SHM_ROOT") or ("/dev/shm" if os.path.isdir("/dev/shm")
                                               else None)
+    if key is not None:
+        root = Path(base or tempfile.gettempdir()) / f"moc-nodes-{key}"
+        try:
+            secure_dir(root)
+            owner = read_owner(root)
+            if owner is None or owner.gone(this_machine=True) is True:
+                record_owner(root, os.getpid())
+                return root
+        except CheckpointError as e:
+            print(f"moc train: warning: {e}; the simulated nodes' memory goes to a fresh "
+                  "directory instead", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="moc-nodes-", dir=base))
     try:
         record_owner(root, os.getpid())
@@ -134,7 +154,8 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
               gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train",
-              spare_nodes: int = 0, machine_restart_s: float | None = None) -> int:
+              spare_nodes: int = 0, machine_restart_s: float | None = None,
+              memory_key: str | None = None) -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -159,10 +180,10 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     torch's 300 s, are ended once the job's store says the training finished. With
     `machine_restart_s`, a lost machine is started again that many seconds later, as a
     scheduler would: its rank hosts start outside torchrun's rendezvous and adopt the
-    lost machine's ranks (`moc.train.machines`, ENV_JOIN)."""
+    lost machine's ranks (`moc.train.machines`, ENV_JOIN). `memory_key`: see `sim_root`."""
     in_job = module == "moc.train.host"
     try:
-        root = sim_root()
+        root = sim_root(memory_key)
     except OSError as e:
         print(f"moc train: error: cannot make the simulated nodes' memory under "
               f"{os.environ.get('MOC_SHM_ROOT') or '/dev/shm'}: {e.strerror or e}; free "
@@ -178,7 +199,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for node in range(nodes + spare_nodes):
-            (root / f"node-{node}").mkdir(mode=0o700)
+            (root / f"node-{node}").mkdir(mode=0o700, exist_ok=True)  # a dead job's: kept
             env = node_env(root, node, nproc, gpus)
             if in_job:
                 env[ENV_STORE], env[ENV_NODES] = endpoint, str(nodes)
@@ -188,7 +209,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
                 env=env, preexec_fn=die_with_parent(), start_new_session=True))
         def restart(lost: int, node: int) -> list[subprocess.Popen]:
             """Machine `lost` started again, as simulated node `node`: its hosts."""
-            (root / f"node-{node}").mkdir(mode=0o700)
+            (root / f"node-{node}").mkdir(mode=0o700, exist_ok=True)
             env = node_env(root, node, nproc, 0)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = node_env(root, lost, nproc, gpus)[
@@ -267,6 +288,8 @@ class _Wait:
         self.spare_nodes, self.store = spare_nodes, store
         self.restart, self.restart_s = restart, restart_s
         self.lost: set[int] = set()
+        self.unsaved: set[int] = set()
+        """Machines lost when no spare was left (said once)."""
         self.finished = False
         self.joiners: list[subprocess.Popen] = []
         self.restarted = 0
@@ -317,8 +340,17 @@ class _Wait:
 
     def _note_lost(self) -> None:
         for i, a in enumerate(self.agents):
-            if (a.poll() == -signal.SIGKILL and i not in self.lost
-                    and (len(self.lost) < self.spare_nodes or self.restart is not None)):
+            if a.poll() != -signal.SIGKILL or i in self.lost or i in self.unsaved:
+                continue
+            if self.spare_nodes and self.restart is None and len(self.lost) >= self.spare_nodes:
+                self.unsaved.add(i)
+                print(f"moc train: node {i} lost (its agent SIGKILLed), and no spare node "
+                      f"is left: --spare-nodes {self.spare_nodes}, all taken by earlier "
+                      "losses; the job stops (give more --spare-nodes, or "
+                      "--machine-restart-s to start lost machines again)",
+                      file=sys.stderr, flush=True)
+                continue
+            if len(self.lost) < self.spare_nodes or self.restart is not None:
                 self.lost.add(i)
                 if len(self.lost) <= self.spare_nodes:
                     print(f"moc train: node {i} lost (its agent SIGKILLed): a spare node "

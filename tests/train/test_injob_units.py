@@ -251,3 +251,72 @@ def test_a_lost_peer_is_told_in_its_first_sentence_without_gloo_s_source_locatio
                                    "Connection reset by peer")) \
         == "Read error [127.0.0.1]:38634: Connection reset by peer"
     assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def _leases(token: str) -> dict[int, str]:
+    """Node 1's two ranks' last leases, under a lost leader whose token is `token`."""
+    return {2: f"{token}:17:0", 3: "other:17:0"}
+
+
+def test_a_spare_lost_as_it_claims_a_machine_is_replaced_by_the_next_claim():
+    """Issue 47, finding 4: the takeover key was named after the lost machine's last
+    lease only, so a spare lost before its first lease renewal held the machine for
+    ever: the job waited for its ranks every 30 s, and the other spare never adopted.
+    A claim is now per attempt: the same loss found again (LOST_S after that claim, the
+    node's leases still those of the dead machine) replaces it, and of several spares
+    that find it so, one wins."""
+    from moc.train.machines import Claims
+
+    store = dist.HashStore()
+    dead, second, third = Claims(store, 2), Claims(store, 3), Claims(store, 4)
+    assert dead.claim(1, _leases("lost"))  # then dies before it renews node 1's leases
+    assert not second.claim(1, _leases("lost"))  # it sees the claim: someone adopts
+    assert not third.claim(1, _leases("lost"))
+    # LOST_S later the node is still lost: the claim it saw was a dead claimant's.
+    results = [second.claim(1, _leases("lost")), third.claim(1, _leases("lost"))]
+    assert sorted(results) == [False, True]  # one of them, never both
+    # A later loss of node 1 (its new leader's lease) is a new claim.
+    assert third.claim(1, _leases("successor")) or second.claim(1, _leases("successor"))
+
+
+def test_a_live_claim_is_never_taken_from_its_claimant():
+    """A spare that finds a claim for the first time never replaces it: only a claim it
+    already saw, whose node stayed lost for a whole LOST_S since, is a dead one."""
+    from moc.train.machines import Claims
+
+    store = dist.HashStore()
+    first, other = Claims(store, 2), Claims(store, 3)
+    assert first.claim(1, _leases("lost"))
+    assert not other.claim(1, _leases("lost"))
+    # The claimant's hosts renewed node 1's leases: the watch finds no loss, and a loss
+    # found later is of the new leases (another key): the first claim stands.
+    assert store.get("takeover/1/lost").decode().startswith("2:")
+
+
+def test_a_prestarted_persist_process_stopped_with_its_starter_dies_with_it():
+    """Issue 47, finding 7: a persist process started ahead of need and SIGSTOPped with
+    the job outlived the finished job, still stopped (a stopped process never reads the
+    EOF it waits for). It now gets SIGKILL when its starter ends, stopped or not."""
+    starter = subprocess.run(
+        [sys.executable, "-c", "import os, signal\n"
+         "from moc.checkpoint.twolevel import prestart\n"
+         "prestart.prestart()\n"
+         "p = prestart.take()\n"
+         "os.kill(p.pid, signal.SIGSTOP)\n"
+         "print(p.pid, flush=True)\n"
+         "os._exit(0)  # no EOF sent by hand, no clean-up: as a killed process"],
+        capture_output=True, text=True, timeout=120)
+    assert starter.returncode == 0, starter.stderr[-2000:]
+    pid = int(starter.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return  # gone (reaped by init)
+        if state == "Z":
+            return  # dead, awaiting its reaper
+        time.sleep(0.1)
+    raise AssertionError(f"the prestarted persist process {pid} outlived its starter "
+                         f"(state {state})")

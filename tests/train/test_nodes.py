@@ -313,3 +313,52 @@ def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
          "claim_job('next')"], env=env, capture_output=True, text=True, timeout=120)
     assert claim.returncode == 0, claim.stderr[-2000:]
     assert not root.exists()
+
+
+def test_a_job_killed_whole_resumes_from_its_memory_when_started_again(tmp_path, shm):
+    """Issue 47, finding 6: the launcher SIGKILLed (every process of the job gone with
+    it). Before, the rank hosts printed DistNetworkError tracebacks, and the same command
+    made a fresh memory root, never found the dead job's snapshots and resumed from
+    partial storage, losing tokens, with the snapshots left in /dev/shm. Now the memory
+    root is named by the checkpoint directory: started again, the run restores from it,
+    exactly, and removes it when it ends."""
+    env = {**os.environ, "MOC_SHM_ROOT": str(shm)}
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--ep",
+            "2", "--config", "tiny", "--steps", "60", "--ckpt-dir", str(ckpt),
+            "--ckpt-interval", "5", "--k-persist", "1", "--device", "cpu", "--no-progress",
+            "--metrics", str(metrics)]
+    err = tmp_path / "first.err"
+    with open(err, "w") as stderr:
+        launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    roots: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while max((e["step"] for e in read_events(metrics) if e["event"] == "step"),
+                  default=0) < 23:  # past four checkpoints, K = 1 of 4 on storage
+            assert launcher.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.2)
+        (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
+        roots = placement["shm_roots"]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 90
+        while _job_processes(roots) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _job_processes(roots), "processes outlived their launcher"
+    finally:
+        for pid in _job_processes(roots):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = err.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert len(list(shm.glob("moc-nodes-*"))) == 1  # the dead job's memory, kept
+    again = subprocess.run([*args[:-1], str(tmp_path / "again.jsonl")], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (recovery,) = [e for e in read_events(tmp_path / "again.jsonl")
+                   if e["event"] == "recovery"]
+    assert recovery["source"] == "memory" and recovery["lost_tokens"] == 0, recovery
+    assert recovery["resumed_from"] >= 20
+    assert not list(shm.glob("moc-nodes-*"))  # removed once the run ended

@@ -433,6 +433,9 @@ def serve_on() -> None:
     line = sys.stdin.readline()
     if not line:
         return
+    from moc.checkpoint.twolevel.prestart import serving
+
+    serving()
     order = json.loads(line)
     serve(order["job"], order["root"], int(order["parent"]), bytes.fromhex(order["secret"]))
 

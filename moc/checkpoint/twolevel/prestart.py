@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -39,13 +40,31 @@ def spawn() -> subprocess.Popen:
     them."""
     return subprocess.Popen(
         [sys.executable, "-c", f"from {PERSIST} import serve_on; serve_on()"],
-        stdin=subprocess.PIPE, preexec_fn=_lower_priority)
+        stdin=subprocess.PIPE, preexec_fn=_in_child)
 
 
-def _lower_priority() -> None:
-    """In the child before it runs Python: niceness 10 (the persist process lowers it
-    further itself where MOC_CKPT_PRIORITY asks) unless MOC_CKPT_PRIORITY says
-    "normal" (an invalid value fails later, in the engine's own check)."""
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when the thread that forked it ends."""
+_PRCTL: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+
+
+def _in_child() -> None:
+    """In the child before it runs Python: SIGKILL when its parent ends, and niceness 10
+    (the persist process lowers it further itself where MOC_CKPT_PRIORITY asks) unless
+    MOC_CKPT_PRIORITY says "normal" (an invalid value fails later, in the engine's own
+    check).
+
+    SIGKILL, not the EOF on stdin it also waits for: a stopped process reads nothing,
+    and one SIGSTOPped with the job's other processes outlived the finished job, still
+    stopped (issue 47). SIGKILL ends a stopped process; the signal follows the thread
+    that started it, which is the main thread (`prestart`)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.environ.get("MOC_CKPT_PRIORITY", "nice") != "normal":
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 10)
@@ -63,6 +82,14 @@ def prestart(fork: bool = False) -> None:
         _waiting.append(_fork() if fork else spawn())
 
 
+def serving() -> None:
+    """In a prestarted persist process, once it was given what to serve: from now on
+    its life is that of the engine it serves (`persist.serve` watches its parent), not
+    the SIGKILL that `_in_child` set for its wait."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+
+
 def _fork() -> Any:
     import importlib
 
@@ -70,7 +97,7 @@ def _fork() -> Any:
 
     # By name, as `spawn`'s command line names it: persist imports this module.
     return fork(lambda: importlib.import_module(PERSIST).serve_on(), stdin=True,
-                on_fork=_lower_priority)
+                on_fork=_in_child)
 
 
 def take() -> subprocess.Popen | None:
