@@ -186,6 +186,10 @@ class RecoveryReport:
     sources: dict[str, list[int]] = field(default_factory=dict)
     """The ranks that restored from each source ("memory", "peer", "storage"; a restore
     from storage: every rank under "storage"); empty for the baselines."""
+    passed_over: str | None = None
+    """Why a newer step was not restored, and what that saves and costs: some rank had
+    only a partial copy of it, and an older step was exact on every rank (the two-level
+    engine's `prefer="exact"`, its default). None: the newest step was restored."""
 
 
 def checked_save(step: object, extra_state: object) -> dict[str, Any]:

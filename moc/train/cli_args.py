@@ -64,6 +64,11 @@ def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="moc across nodes: experts per MoE layer in the peer replica each "
                         "rank sends to another node's memory: 'all' (default: a lost node "
                         "loses nothing), an integer, or 'none' (no replicas)")
+    p.add_argument("--restore-prefer", choices=["exact", "newest"], default="exact",
+                   help="moc: when some rank has only a partial copy of the newest step "
+                        "and every rank an exact copy of an older one: restore the older, "
+                        "exact one (default; the newer steps are set aside) or the newest, "
+                        "counting the tokens it loses")
     p.add_argument("--replica-jump", type=int, default=1,
                    help="moc across nodes: node i keeps the replicas of node i - jump "
                         "(default 1)")
@@ -175,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         k_snapshot=_int_or(args.k_snapshot, "--k-snapshot", ("all", "auto")),
         progress=not args.no_progress,
         k_replica=_int_or(args.k_replica, "--k-replica", ("all", "none")),
-        replica_jump=args.replica_jump,
+        replica_jump=args.replica_jump, restore_prefer=args.restore_prefer,
         replica_rate=args.replica_rate, fault_node=args.fault_node,
         grace_s=args.grace_s, resume_step=args.resume_step, recovery=args.recovery,
         spares=args.spares, hang_timeout=args.hang_timeout,

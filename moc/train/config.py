@@ -115,6 +115,9 @@ class TrainConfig:
     """moc across nodes: node i keeps the replicas of node i - jump."""
     replica_rate: float | None = None
     """moc across nodes: bytes/s each rank may send to its peer (None: unlimited)."""
+    restore_prefer: str = "exact"
+    """moc: a restore's choice between an older step exact on every rank and a newer one
+    some rank has only a partial copy of (`TwoLevelCheckpointer(prefer=...)`)."""
     k_persist: int | None = 1
     """pec: experts saved per MoE layer per checkpoint; None saves all (K = N)."""
     selection: str = "sequential"

@@ -59,6 +59,7 @@ def make_engine(cfg: TrainConfig, model: nn.Module, optimizer: ShardedAdamW,
                                     persist_policy=cfg.persist_policy,
                                     k_snapshot=cfg.k_snapshot, k_replica=cfg.k_replica,
                                     replica_jump=cfg.replica_jump,
+                                    prefer=cfg.restore_prefer,
                                     replica_rate=cfg.replica_rate, **common)
     if cfg.ckpt_mode in DCP_MODES:
         # Imported here only: DCP's async API (DefaultStager, torch >= 2.9) is the

@@ -290,6 +290,9 @@ class Trainer:
                 else f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f}")
         progress.message(f"resumed from checkpoint step {result.step} "
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
+        if result.passed_over is not None:
+            progress.message(f"took the exact step {result.step}: {result.passed_over} "
+                             "(--restore-prefer newest takes the newer one)")
         self.recovery = self._recovery(last, {
             "resumed_from": result.step, "source": result.source, "sources": result.sources,
             "recovery_s": result.recovery_s, "plt": result.plt,

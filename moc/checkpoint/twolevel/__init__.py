@@ -29,6 +29,8 @@ on one node or many (each snapshot also replicated to a peer node's memory).
     nodes            which ranks share a node; each node's leader; its memory's root
     replica          a snapshot sent to, and kept in, another node's memory
     replication      this rank's replica rounds, on the snapshot thread
+    copies           which copy of which step each rank restores: the exact copy wins
     memory_restore   recovery from memory: own node's, a peer's replica, or none
+    alignment        after it: expert replicas made equal, the copies each came from
     restore          the engine's restore: memory where every rank can, else storage
 """

@@ -83,6 +83,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.twolevel.capture import capture_mode
+from moc.checkpoint.twolevel.copies import PREFER
 from moc.checkpoint.twolevel.engine_state import EngineState
 from moc.checkpoint.twolevel.executor import PersistExecutor
 from moc.checkpoint.twolevel.hooks import OptimizerHooks
@@ -128,6 +129,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     nodes also `k_replica` ("all", an int K, or 0 for no replicas), `replica_jump` (node
     i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a rank may
     send, None: unlimited); the directory must then be storage every node sees.
+    `prefer` decides what a restore takes when some rank has only a partial copy of the
+    newest step (experts older than it) and every rank has an exact copy of an older
+    one: "exact" (the default) takes the older one and sets the newer steps aside;
+    "newest" takes the newer one and counts the tokens it loses (PLT).
 
     With `optimizer=None` (model-only: restore for inference, never save) the
     constructor returns a `twolevel.reader.StorageReader`, which leaves the training
@@ -138,7 +143,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                 **options: Any) -> Any:
         if optimizer is None:
             _check_options(options.pop("persist_policy", "skip"))
-            for name in ("k_snapshot", "k_replica", "replica_jump", "replica_rate"):
+            for name in ("k_snapshot", "k_replica", "replica_jump", "replica_rate", "prefer"):
                 options.pop(name, None)
             return StorageReader(model, directory, **options)
         return super().__new__(cls)
@@ -151,8 +156,11 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                  k_snapshot: int | str | None = None,
                  max_failures: int | None = DEFAULT_MAX_FAILURES,
                  k_replica: int | str | None = "all", replica_jump: int = 1,
-                 replica_rate: float | None = None) -> None:
+                 replica_rate: float | None = None, prefer: str = "exact") -> None:
         _check_options(persist_policy)
+        if prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+        self.prefer = prefer
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
             interval=interval, keep_last=keep_last, model_meta=model_meta, mode=mode,
@@ -334,7 +342,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
         self.flush()
         self.snapshots.wait_prepared()  # the slots are the restore's to read now
         try:
-            return restore_engine(self.parts, self.snapshots, self.books, step)
+            return restore_engine(self.parts, self.snapshots, self.books, step, self.prefer)
         finally:
             self.persist.add_tidy(self.parts.tidy)  # what the read path left to tidy
             # The restore replaced the optimizer's state: the cached layout would keep

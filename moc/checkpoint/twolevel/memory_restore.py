@@ -17,11 +17,12 @@ pair by pair in one global order, so the transfers cannot deadlock. Every transf
 happens before any rank loads, so an error in one rank's load never leaves a partner
 waiting in a send.
 
-A partial snapshot (K_snapshot < N) holds some experts only; each of the others comes
-from its newest copy in an older snapshot slot or in storage, and the tokens routed to it
-since that copy count as lost (`at_copy`, accounted by the ledger). When the replicas of
-an expert came back from different sources ("mixed"), the ones restored from storage take
-the weights of one restored from memory, so replicas never diverge.
+Which version, and which copy of it each rank takes: `twolevel.copies` (the exact copy
+wins). A partial snapshot (K_snapshot < N) holds some experts only; each of the others
+comes from its newest copy in an older snapshot slot or in storage, and the tokens routed
+to it since that copy count as lost (`at_copy`, accounted by the ledger). When the
+replicas of an expert came back from different sources ("mixed"), they are made equal to
+the freshest (`twolevel.alignment`), so replicas never diverge.
 """
 
 from __future__ import annotations
@@ -50,73 +51,26 @@ from moc.checkpoint.recovery import (
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.twolevel.jobdir import job_dir
+from moc.checkpoint.twolevel.alignment import (
+    Origins,
+    align_expert_replicas,
+    copy_counts,
+    oldest_copy,
+)
+from moc.checkpoint.twolevel.copies import (
+    Holdings,
+    KnownCopies,
+    Peers,
+    Version,
+    expert_keys,
+    node_holdings,
+    stores,
+)
 from moc.checkpoint.twolevel.native import default_threads
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.replica import ReplicaStore, receive_replica, send_replica
+from moc.checkpoint.twolevel.replica import receive_replica, send_replica
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
 
 log = logging.getLogger(__name__)
-
-Copies = dict[str, tuple[int, str]]
-"""Per key: the step of the copy restored and where it came from ("slot-<i>", "peer",
-"storage")."""
-Version = tuple[int, str]
-"""One checkpoint of one line of training: (step, the id of the segment that wrote it,
-`Lineage.writer`). Two jobs that resumed one directory from the same step label their
-snapshots with the same steps; only the writer tells them apart."""
-Holdings = dict[int, dict[Version, tuple[str, int]]]
-"""What one node's memory holds: source rank -> version -> (kind: "rank" for the rank's
-own snapshot directory, "replica" for a peer replica of it; slot)."""
-
-
-@dataclass(frozen=True)
-class Peers:
-    """What a restore needs to reach the memory of other nodes."""
-
-    nodes: NodeLayout
-    group: Any
-    """The replica process group (gloo, every rank)."""
-    job: str
-
-
-def _stores(job: str, kind: str, src: int) -> SnapshotStore:
-    return SnapshotStore(job, src) if kind == "rank" else ReplicaStore(job, src)
-
-
-def node_holdings(job: str, version: Callable[[SnapshotHeader], Version | None]
-                  ) -> Holdings:
-    """Every snapshot and replica in this node's memory that has a `version` (None: not a
-    candidate: another run, model, layout or line). A node leader's view, for the other
-    ranks' recovery."""
-    out: Holdings = {}
-    jdir = job_dir(job)
-    for kind, prefix in (("rank", "rank-"), ("replica", "replica-")):
-        for d in sorted(jdir.glob(f"{prefix}*")) if jdir.is_dir() else []:
-            try:
-                src = int(d.name[len(prefix):])
-            except ValueError:
-                continue
-            store = _stores(job, kind, src)
-            try:
-                headers = store.headers()
-            except CheckpointError:
-                continue  # not a directory this user trusts: never a source
-            for slot, header in headers.items():
-                v = version(header)
-                if v is not None:
-                    out.setdefault(src, {}).setdefault(v, (kind, slot))
-            store.release()
-    return out
-
-
-def invalidate_node(job: str, step: int) -> None:
-    """Forget every snapshot and replica on this node newer than `step` (a leader, after
-    the job restored `step`): they belong to a run that will not continue."""
-    newer = node_holdings(job, lambda h: (h.step, "") if h.step > step else None)
-    for src, steps in newer.items():
-        for kind in {kind for kind, _ in steps.values()}:
-            _stores(job, kind, src).invalidate_newer_than(step)
 
 
 @dataclass(frozen=True)
@@ -135,6 +89,9 @@ class MemoryRestore:
     """Whether some rank restored an expert from a copy older than `step`."""
     sources: list[str]
     """Per rank: "memory", "peer" or "storage"."""
+    passed_over: str | None = None
+    """The newer step this restore did not take because some rank had only a lossy copy
+    of it, and what taking it would have cost (None: it took the newest)."""
 
     def report(self, plt: PLTReport) -> RecoveryReport:
         """The engine's report of this restore, with the tokens it lost (`plt`, the
@@ -144,7 +101,7 @@ class MemoryRestore:
             sources.setdefault(source, []).append(rank)
         return RecoveryReport(self.step, self.meta["extra"], self.source, self.recovery_s,
                               plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k,
-                              plt.k_before, sources=sources)
+                              plt.k_before, sources=sources, passed_over=self.passed_over)
 
 
 def overall_source(sources: list[str]) -> str:
@@ -173,6 +130,10 @@ class MemoryQuery:
     run_id: str | None
     peers: Peers | None = None
     """Across nodes: reach the copies other nodes hold."""
+    prefer: str = "exact"
+    """"exact": an older step every rank has an exact copy of (its own memory, a peer
+    replica) is taken before a newer one that some rank has only a lossy copy of;
+    "newest": the newest step every rank can restore, whatever it loses."""
 
 
 def restore_from_memory(q: MemoryQuery) -> MemoryRestore | None:
@@ -180,7 +141,9 @@ def restore_from_memory(q: MemoryQuery) -> MemoryRestore | None:
     own, or a peer's); None when there is none (or every such one failed on some rank).
     Collective.
 
-    A snapshot older than the newest persisted step is never used: storage is newer.
+    A snapshot older than the newest persisted step is used only when it is exact on
+    every rank, that step is not (some of its experts are older than it), and `prefer`
+    is "exact": the steps after it are set aside (`restore_engine`), as a rollback does.
     Only snapshots of this run (`run_id`, the checkpoint directory's), of the same model
     and layout, and of a line of training that continues the newest persisted step (its
     lineage says so, `moc.checkpoint.lineage`) are candidates: memory left by another
@@ -188,77 +151,52 @@ def restore_from_memory(q: MemoryQuery) -> MemoryRestore | None:
     restored nor mixed with what storage holds.
     """
     newest = q.storage[-1] if q.storage else None
-    base = _storage_lineage(q.root, newest, q.dist, q.run_id)
+    base, storage_exact = _storage_lineage(q.root, newest, q.dist, q.run_id)
     if newest is not None and base is None:
         return None  # the newest persisted step cannot be read: storage's restore decides
-    known = _Known.gather(q, base, newest)
+    restore = _Restore.gather(q, base, newest, storage_exact)
     # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
-    restored, _ = restore_loop(known.candidates(), known.load, q.dist, skip=(Exception,),
+    restored, _ = restore_loop(restore.known.attempts(q.dist.all_gather), restore.load,
+                               q.dist, skip=(Exception,),
                                label=lambda v: f"the snapshot of step {v[0]}")
-    return None if restored is None else known.finish(*restored)
+    return None if restored is None else restore.finish(*restored)
 
 
-class _Known:
-    """What every rank learned of the copies in memory (two collectives), and the restore
-    of one candidate version from them."""
+class _Restore:
+    """The restore of one candidate version into this rank, and what the ledger needs
+    once every rank restored it (`finish`)."""
 
     def __init__(self, q: MemoryQuery, base: Lineage | None, newest: int | None,
-                 headers: dict[int, SnapshotHeader], everyone: list[set[Version]],
-                 holdings: list[Holdings]) -> None:
+                 headers: dict[int, SnapshotHeader], known: KnownCopies) -> None:
         self.q, self.base, self.newest = q, base, newest
         self.headers = headers
         """This rank's candidate snapshots, by slot."""
         self.mine = {_version(q, base, newest, h): slot for slot, h in headers.items()}
-        self.everyone = everyone
-        """Per rank: the versions in its own memory."""
-        self.holdings = holdings
-        """Per rank (a node leader's, else empty): what its node's memory holds."""
-        self.copies: Copies = {}
+        self.known = known
+        self.origins: Origins = {}
         self.metas: dict[str, dict[str, Any]] = {f"slot-{slot}": h.meta
                                                  for slot, h in headers.items()}
         self.t0 = time.perf_counter()
 
     @classmethod
-    def gather(cls, q: MemoryQuery, base: Lineage | None, newest: int | None) -> _Known:
+    def gather(cls, q: MemoryQuery, base: Lineage | None, newest: int | None,
+               storage_exact: bool) -> _Restore:
         """Collective: every rank's candidate versions, and every node's holdings."""
         def version(h: SnapshotHeader) -> Version | None:
             return _version(q, base, newest, h)
 
         headers = {slot: h for slot, h in q.store.headers().items() if version(h) is not None}
-        mine = sorted(version(h) for h in headers.values())
-        everyone = [{tuple(v) for v in m} for m in q.dist.all_gather(mine)]
+        mine = sorted((version(h), expert_keys(h.entries)) for h in headers.values())
+        gathered = q.dist.all_gather((mine, expert_keys(q.state.flatten())))
         held: Holdings = {}
         if q.peers is not None and q.peers.nodes.is_leader(q.dist.rank):
             held = node_holdings(q.peers.job, version)
-        holdings = q.dist.all_gather(held) if q.peers is not None else []
-        return cls(q, base, newest, headers, everyone, holdings)
-
-    def remote(self, rank: int, v: Version) -> tuple[int, str, int] | None:
-        """(holder's leader, kind, slot) of a copy of `rank`'s `v` in another node."""
-        for holder, held in enumerate(self.holdings):
-            found = held.get(rank, {}).get(v)
-            if found is not None and holder != rank:
-                return (holder, *found)
-        return None
-
-    def source(self, rank: int, v: Version) -> str | None:
-        """Where `rank` restores `v` from: its memory, a peer's, storage, or nowhere."""
-        if v in self.everyone[rank]:
-            return "memory"
-        if self.remote(rank, v) is not None:
-            return "peer"
-        # Storage holds the same checkpoint only if the same segment committed it.
-        return "storage" if self._on_storage(v) else None
-
-    def _on_storage(self, v: Version) -> bool:
-        return self.base is not None and v == (self.newest, self.base.writer)
-
-    def candidates(self) -> list[Version]:
-        """Versions every rank can restore from somewhere, newest first."""
-        in_memory = set().union(*self.everyone, {v for h in self.holdings
-                                                 for c in h.values() for v in c})
-        return [v for v in sorted(in_memory, reverse=True)
-                if all(self.source(r, v) is not None for r in range(self.q.dist.world_size))]
+        known = KnownCopies(
+            q.dist.world_size, newest, base.writer if base is not None else None,
+            storage_exact, q.prefer, [{tuple(v): n for v, n in m} for m, _ in gathered],
+            q.dist.all_gather(held) if q.peers is not None else [],
+            [n for _, n in gathered])
+        return cls(q, base, newest, headers, known)
 
     def load(self, v: Version) -> tuple[Version, str, dict[str, Any] | None]:
         """Restore `v` into this rank (after every peer transfer of it): (v, where from,
@@ -266,16 +204,23 @@ class _Known:
         q, rank = self.q, self.q.dist.rank
         self.t0 = time.perf_counter()
         step = v[0]
-        plan = [self.source(r, v) for r in range(q.dist.world_size)]
-        fetched = _transfer(q.peers, rank, plan, v, self.remote) if "peer" in plan else None
+        plan = [self.known.source(r, v) for r in range(q.dist.world_size)]
+        fetched = _transfer(q.peers, rank, plan, v, self.known.remote) if "peer" in plan else None
+        # A step older than storage's newest is exact: nothing may come from newer steps.
+        filler = self.newest if self.newest is not None and step >= self.newest else None
         if plan[rank] == "memory":
             ancestors = {slot: h for slot, h in self.headers.items()
                          if _is_ancestor(self.headers[self.mine[v]], h)}
-            reader, self.copies = _memory_reader(q.store, q.root, step, ancestors, self.newest)
+            try:
+                reader, self.origins = _memory_reader(q.store, q.root, step, ancestors,
+                                                     filler)
+            except CheckpointError:
+                self.known.failed.append(v)  # the next attempts look for this step elsewhere
+                raise
             q.state.load(reader)
             return v, "memory", self.headers[self.mine[v]].meta
         if plan[rank] == "peer" and fetched is None:
-            if self.source(rank, v) is None or not self._on_storage(v):
+            if self.known.source(rank, v) is None or not self.known.on_storage(v):
                 raise CheckpointError(f"the peer copy of step {step} of rank {rank} did "
                                       "not verify, and storage does not hold that step")
             # The other ranks still restore their copies of this step; this one alone
@@ -285,11 +230,11 @@ class _Known:
         elif plan[rank] == "peer":
             header, tensors = fetched
             self.metas["peer"] = header.meta
-            reader, self.copies = _peer_reader(tensors, q.root, step, self.newest)
+            reader, self.origins = _peer_reader(tensors, q.root, step, filler)
             q.state.load(reader)
             return v, "peer", header.meta
         reader = CheckpointReader(q.root, Manifest.load(q.root, step))
-        self.copies = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
+        self.origins = {k: (e.step, "storage") for k, e in reader.manifest.entries.items()}
         q.state.load(reader)
         return v, "storage", None
 
@@ -302,29 +247,42 @@ class _Known:
         if all(s == "storage" for s in sources):
             return None  # every peer copy failed: the caller restores from storage alone
         held_keys = set(q.state.flatten())
-        # The step of the oldest expert weight each rank restored: replicas of an expert
-        # that came back from different copies (a complete snapshot, a partial replica,
-        # storage) are made equal to the freshest.
-        experts = [c for key, (c, _) in self.copies.items()
-                   if key in held_keys and (parsed := parse_expert_key(key)) is not None
-                   and parsed[0] == "param"]
-        align_expert_replicas(q.state, dist, dist.all_gather(min(experts, default=step)))
+        # The step of the oldest expert copy (weights or optimizer state) each rank
+        # restored: replicas of an expert that came back from different copies (a
+        # complete snapshot, a partial replica, storage) are made equal to the freshest.
+        experts = [c for key, (c, _) in self.origins.items()
+                   if key in held_keys and parse_expert_key(key) is not None]
+        # With which optimizer state of the experts each rank is left: replicated state
+        # is made equal with the weights; sharded state (each expert's on one rank) is
+        # its owner's alone.
+        named = q.state.spec.by_name()
+        held_state = {n: sorted(s) for n, s in q.state.optimizer.local_state().items()
+                      if n in named}
+        gathered = dist.all_gather((min(experts, default=step), held_state))
+        taken = align_expert_replicas(q.state, dist, [f for f, _ in gathered],
+                                      [h for _, h in gathered])
         meta = dist.broadcast(meta, src=next(r for r, s in enumerate(sources)
                                              if s != "storage"))
         manifest = Manifest.load(q.root, self.newest) if self.newest is not None else None
-        at_copy = _at_copy(self.copies, self.metas, manifest, held_keys, q.tracked_kind,
-                           q.state.spec.stems(), meta)
+        stems = q.state.spec.stems()
+        # Per (layer, expert): the oldest copy any rank is left with, of its weights and
+        # of its optimizer state (what a rank took from the freshest replica counts as
+        # that replica's: it is left out here). Before issue 47 the freshest copy across
+        # ranks counted, of the weights only, and a rank that kept a stale optimizer
+        # state from partial storage beside fresh weights was reported as 0 lost.
+        local = [copy_counts(self.origins, self.metas, manifest, held_keys, kind, stems,
+                          meta, taken).tolist() for kind in ("param", "optim")]
         # As lists: collectives carry data, not tensors (`moc.checkpoint.codec`).
-        at_copy = torch.tensor(dist.all_gather(at_copy.tolist()), dtype=torch.int64)
-        at_copy = at_copy.max(dim=0).values
+        at_copy = oldest_copy(torch.tensor(dist.all_gather(local), dtype=torch.int64))
         cumulative = torch.tensor(meta["ledger"]["cumulative"], dtype=torch.int64)
         at_copy = torch.where(at_copy < 0, cumulative, at_copy)  # no rank held it: not lost
-        older = any(copy_step < step for key, (copy_step, _) in self.copies.items()
+        older = any(copy_step < step for key, (copy_step, _) in self.origins.items()
                     if key in held_keys and (parsed := parse_expert_key(key)) is not None
                     and parsed[0] == q.tracked_kind)
         return MemoryRestore(step, self.mine[v] if source == "memory" else None, meta,
                              overall_source(sources), time.perf_counter() - self.t0,
-                             at_copy, any(dist.all_gather(older)), sources)
+                             at_copy, any(dist.all_gather(older)), sources,
+                             self.known.passed_over(v))
 
 
 def _version(q: MemoryQuery, base: Lineage | None, newest: int | None,
@@ -338,27 +296,32 @@ def _version(q: MemoryQuery, base: Lineage | None, newest: int | None,
         line = Lineage.from_json(h.meta.get("line"), "the snapshot's lineage")
     except ValueError:
         return None  # an older moc's snapshot: its line cannot be proven
-    if base is not None and not line.descends_from(h.step, base, newest or 0):
-        return None
+    if base is not None and not (line.descends_from(h.step, base, newest or 0) or (
+            newest is not None and h.step < newest and base.descends_from(newest, line,
+                                                                            h.step))):
+        return None  # neither continues storage's newest step nor is an ancestor of it
     return (h.step, line.writer or "")
 
 
 def _storage_lineage(root: Path, newest: int | None, dist: Dist, run_id: str | None
-                     ) -> Lineage | None:
+                     ) -> tuple[Lineage | None, bool]:
     """The lineage of the newest persisted step, as rank 0 reads it (the same on every
-    rank); None when there is none, or its manifest cannot be read or is another run's
-    (storage's restore then decides, and skips it)."""
-    line = None
+    rank), and whether that step holds every expert at its own step; None when there is
+    none, or its manifest cannot be read or is another run's (storage's restore then
+    decides, and skips it)."""
+    line, exact = None, False
     if dist.rank == 0 and newest is not None:
         try:
             manifest = Manifest.load(root, newest)
             check_run(manifest, run_id, f"step {newest}")
             line = manifest.lineage.to_json()
+            exact = all(e.step == newest for e in manifest.entries.values())
         except (CheckpointError, OSError, ValueError) as e:
             log.warning("the manifest of step %d cannot be read (%s): not restoring from "
                         "memory", newest, e)
-    line = dist.broadcast(line)
-    return None if line is None else Lineage.from_json(line, "the newest step's lineage")
+    line, exact = dist.broadcast((line, exact))
+    lineage = None if line is None else Lineage.from_json(line, "the newest step's lineage")
+    return lineage, exact
 
 
 def _version_of(header: SnapshotHeader) -> Version | None:
@@ -395,9 +358,9 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], version: Ver
             continue
         found = remote(rank, version)
         assert found is not None
-        holder, kind, slot = found
+        holder, kind, slot, _ = found
         if me == holder:
-            store = _stores(peers.job, kind, rank)
+            store = stores(peers.job, kind, rank)
             try:
                 header = store.headers().get(slot)
             except CheckpointError:  # not a directory it trusts now: a marker, no hang
@@ -414,11 +377,11 @@ def _transfer(peers: Peers | None, me: int, plan: list[str | None], version: Ver
 
 
 def _from_storage(root: Path, newest_storage: int | None
-                  ) -> tuple[dict[str, Any], Copies]:
+                  ) -> tuple[dict[str, Any], Origins]:
     """Every key of the newest persisted manifest, read only if no newer copy replaces
     it: what a memory or peer copy lacks comes from there."""
     tensors: dict[str, Any] = {}
-    copies: Copies = {}
+    copies: Origins = {}
     if newest_storage is not None:
         reader = CheckpointReader(root, Manifest.load(root, newest_storage))
         for key, entry in reader.manifest.entries.items():
@@ -428,7 +391,7 @@ def _from_storage(root: Path, newest_storage: int | None
 
 
 def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
-                 newest_storage: int | None) -> tuple[DictReader, Copies]:
+                 newest_storage: int | None) -> tuple[DictReader, Origins]:
     """A peer copy of `step`, and for the keys it does not carry (a partial replica)
     the newest persisted manifest."""
     out, copies = _from_storage(root, newest_storage)
@@ -439,7 +402,7 @@ def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
 
 def _memory_reader(store: SnapshotStore, root: Path, step: int,
                    headers: dict[int, SnapshotHeader], newest_storage: int | None
-                   ) -> tuple[DictReader, Copies]:
+                   ) -> tuple[DictReader, Origins]:
     """Every key at its newest copy no newer than `step`: the snapshot of `step`, older
     snapshots, the newest persisted manifest (a snapshot's copy wins a tie).
 
@@ -468,44 +431,3 @@ def _memory_reader(store: SnapshotStore, root: Path, step: int,
             tensors[key], copies[key] = t, (header.step, f"slot-{slot}")
         from_slots.update(snap)
     return DictReader(tensors), copies
-
-
-def _at_copy(copies: Copies, metas: dict[str, dict[str, Any]], manifest: Manifest | None,
-             held: set[str], kind: str, stems: dict[str, int], meta: dict[str, Any]
-             ) -> torch.Tensor:
-    """Per (layer, expert) held here: the cumulative token count at the copy restored
-    (the oldest of its tensors of the tracked kind); -1 for experts not held here.
-    Every rank knows only its own experts; together they know all of them."""
-    n_layers = len(meta["ledger"]["cumulative"])
-    n_experts = len(meta["ledger"]["cumulative"][0]) if n_layers else 0
-    at_copy = torch.full((n_layers, n_experts), -1, dtype=torch.int64)
-    for key, (_, origin) in copies.items():
-        parsed = parse_expert_key(key)
-        if parsed is None or parsed[0] != kind or key not in held:
-            continue
-        m, e = stems[parsed[1]], parsed[2]
-        if origin == "storage":
-            value = int(manifest.tokens["at_save"][m][e]) if manifest is not None else 0
-        else:
-            value = int(metas[origin]["ledger"]["cumulative"][m][e])
-        at_copy[m, e] = value if at_copy[m, e] < 0 else min(int(at_copy[m, e]), value)
-    return at_copy
-
-
-@torch.no_grad()
-def align_expert_replicas(state: RankState, dist: Dist, freshness: list[int]) -> None:
-    """Within each EDP group, replicas whose expert weights came from an older copy
-    (`freshness`: per rank, the step of its oldest expert weight restored) take those of
-    the freshest replica (collective over each EDP group that needs it): replicas of an
-    expert must never diverge."""
-    layout = dist.groups.layout
-    if not dist.enabled or layout.edp == 1:
-        return
-    members = layout.edp_groups()[layout.ep_rank(dist.rank)]
-    best = max(members, key=lambda r: (freshness[r], -r))
-    if all(freshness[r] == freshness[best] for r in members):
-        return
-    experts = state.spec.by_name()
-    for name, p in state.named:
-        if name in experts:
-            p.copy_(dist.broadcast_edp_(p.detach().cpu().clone(), src=best))

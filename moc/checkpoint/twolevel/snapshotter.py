@@ -29,8 +29,8 @@ from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.twolevel.capture import copier_for
+from moc.checkpoint.twolevel.copies import Peers, invalidate_node
 from moc.checkpoint.twolevel.jobdir import job_dir, remove_job
-from moc.checkpoint.twolevel.memory_restore import Peers, invalidate_node
 from moc.checkpoint.twolevel.native import default_threads
 from moc.checkpoint.twolevel.nodes import NodeLayout
 from moc.checkpoint.twolevel.replica import ReplicaChannel

@@ -12,6 +12,7 @@ import torch
 
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.policy.selection import PECPolicy
+from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.jobdir import OWNER, default_job_id, job_dir
 from moc.parallel import clip_grad_norm_, sync_gradients
@@ -39,7 +40,15 @@ def _train(rank: int, world: int, root: str, policy: PECPolicy | None = None,
         ckpt.record_routing(out.tokens_per_expert)
         ckpt.maybe_save(step, {"step": step})
     ckpt.close(keep_snapshots=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**{n: p.detach().clone() for n, p in model.named_parameters()},
+            **_optimizer_state(model, opt)}
+
+
+def _optimizer_state(model, opt) -> dict[str, torch.Tensor]:
+    from moc.checkpoint.optimizers import as_optimizer_state
+
+    return {f"optim/{name}/{k}": v.clone() for name, state in
+            as_optimizer_state(opt, model).local_state().items() for k, v in state.items()}
 
 
 def _restore(rank: int, world: int, root: str) -> dict:
@@ -48,7 +57,8 @@ def _restore(rank: int, world: int, root: str) -> dict:
     report = ckpt.restore()
     ckpt.close()
     return {"step": report.step, "source": report.source, "lost": report.lost_tokens,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "optim": _optimizer_state(model, opt)}
 
 
 def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tmp_path):
@@ -56,11 +66,170 @@ def test_a_rank_without_its_snapshot_restores_from_storage_and_replicas_agree(tm
     saved = run_ranks(_train, 2, root)
     shutil.rmtree(job_dir(default_job_id(root)) / "rank-00001")  # rank 1 lost its memory
     results = run_ranks(_restore, 2, root)
-    for res in results:
+    for rank, res in enumerate(results):
         assert (res["step"], res["source"]) == (4, "mixed")
-        assert res["lost"] == 0  # every expert's weights came back from rank 0's memory
+        assert res["lost"] == 0  # every expert came back from rank 0's memory
         for name, p in res["params"].items():
             assert torch.equal(p, saved[0][name]), name
+        # Their optimizer state too (issue 47, finding 1: rank 1 kept the stale moments
+        # of K = 1 storage, while the restore said 0 tokens lost).
+        assert res["optim"].keys() == {k for k in saved[rank] if k.startswith("optim/")}
+        for key, t in res["optim"].items():
+            assert torch.equal(t, saved[rank][key]), key
+
+
+def _train_step(groups, model, opt, ckpt, step: int) -> None:
+    """One training step of the same batch on every rank, and its checkpoint."""
+    idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+    out = model(idx, idx)
+    out.loss.backward()
+    sync_gradients(model, groups)
+    ckpt.wait_for_snapshot()
+    opt.step()
+    model.zero_grad()
+    ckpt.record_routing(out.tokens_per_expert)
+    ckpt.maybe_save(step, {"step": step})
+
+
+def _train_then_crash(rank: int, world: int, root: str) -> dict[int, dict]:
+    """Four steps, K = 1 on storage and complete snapshots in memory, then the engine
+    abandoned as a crash leaves it: storage's newest step is partial, memory's whole.
+    The state each rank had at steps 3 and 4."""
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                interval=1, persist_policy="wait")
+    states = {}
+    for step in range(1, 5):
+        _train_step(groups, model, opt, ckpt, step)
+        states[step] = {**{n: p.detach().clone() for n, p in model.named_parameters()},
+                        **_optimizer_state(model, opt)}
+    ckpt.flush()
+    ckpt.abandon()
+    return {step: states[step] for step in (3, 4)}
+
+
+def _restore_from(rank: int, world: int, root: str, job: str) -> dict:
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                job=job)
+    r = ckpt.restore()
+    ckpt.close()
+    return {"step": r.step, "source": r.source, "lost": r.lost_tokens,
+            "per_layer": r.lost_per_layer, "optim": _optimizer_state(model, opt),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_rank_left_with_stale_optimizer_state_is_counted_as_lost(tmp_path):
+    """Issue 47, finding 1: a rank restored from partial storage took its replicas'
+    fresh weights, but kept the stale state of the expert moments it owns (ZeRO shards
+    them over the replicas: no other rank holds them), and the restore said "mixed,
+    0 expert tokens lost" while every later loss differed. Now the tokens that state
+    lost are counted: the same count as restoring every rank from that storage step."""
+    import os
+
+    root = tmp_path / "ckpt"
+    saved = [r[4] for r in run_ranks(_train_then_crash, 2, str(root))]
+    memory = job_dir(default_job_id(root))
+    (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
+    for name, wipe in (("mixed", "rank-00001"), ("storage", None)):
+        shutil.copytree(root, tmp_path / name)
+        if wipe is not None:
+            shutil.copytree(memory, job_dir(f"stale-{name}"),
+                            ignore=shutil.ignore_patterns("*.sock"))
+            shutil.rmtree(job_dir(f"stale-{name}") / wipe)
+    try:
+        mixed = run_ranks(_restore_from, 2, str(tmp_path / "mixed"), "stale-mixed")
+        storage = run_ranks(_restore_from, 2, str(tmp_path / "storage"), "stale-storage")
+    finally:
+        shutil.rmtree(job_dir("stale-mixed"), ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    assert [r["source"] for r in mixed] == ["mixed", "mixed"]
+    assert [r["source"] for r in storage] == ["storage", "storage"]
+    # Rank 0's own memory is exact; rank 1 owns the moments of w2 (`build_sharded`'s
+    # ZeRO partition) and has them only from storage, where 3 of 4 experts per layer
+    # are older than step 4.
+    assert any("w2" in k for k in saved[1] if k.startswith("optim/"))
+    for key, t in mixed[0]["optim"].items():
+        assert torch.equal(t, saved[0][key]), key
+    stale = [k for k, t in mixed[1]["optim"].items() if not torch.equal(t, saved[1][k])]
+    assert stale and all("w2" in k for k in stale), stale
+    for name, p in mixed[1]["params"].items():  # the weights are the fresh replica's
+        assert torch.equal(p, saved[0][name]), name
+    # Counted by hand from the manifest: every expert whose copy on storage is older
+    # than step 4 lost the tokens routed to it since that copy.
+    manifest = Manifest.load(tmp_path / "storage", 4)
+    tokens = manifest.tokens
+    by_hand = [sum(c - a for c, a in zip(cum, at, strict=True))
+               for cum, at in zip(tokens["cumulative"], tokens["at_save"], strict=True)]
+    assert sum(by_hand) > 0
+    for r in (*mixed, *storage):
+        assert (r["step"], r["lost"], list(r["per_layer"])) == (4, sum(by_hand), by_hand)
+
+
+def _restore_preferring(rank: int, world: int, root: str, job: str, prefer: str) -> dict:
+    groups, model, opt = build_sharded(1)
+    ckpt = TwoLevelCheckpointer(model, opt, root, groups=groups, policy=PECPolicy(k=1),
+                                job=job, prefer=prefer)
+    r = ckpt.restore()
+    ckpt.close()
+    return {"step": r.step, "source": r.source, "lost": r.lost_tokens,
+            "passed_over": r.passed_over, "optim": _optimizer_state(model, opt),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_flipped_bit_in_the_newest_snapshot_restores_the_exact_step_before(tmp_path):
+    """Issue 47, findings 2 and 3: rank 1's newest snapshot (step 4) fails its checksum;
+    storage's step 4 is partial (K = 1). Every rank has an exact copy of step 3 in
+    memory. Before, the whole job restored partial storage (tokens lost) as soon as one
+    copy failed, and a snapshot older than storage's newest step was never a candidate.
+    Now the exact step 3 is taken, bitwise, the newer step is set aside, and the line
+    says what the other choice would have cost; `prefer="newest"` takes step 4, with
+    rank 1 from storage, and counts what that loses."""
+    import os
+
+    from moc.checkpoint.store.steps import complete_steps
+    from moc.checkpoint.twolevel.slots import SnapshotStore
+
+    root = tmp_path / "ckpt"
+    at_3 = [r[3] for r in run_ranks(_train_then_crash, 2, str(root))]
+    memory = job_dir(default_job_id(root))
+    (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
+    store = SnapshotStore(default_job_id(root), 1)
+    (slot,) = [i for i, h in store.headers().items() if h.step == 4]
+    store.release()
+    data = memory / "rank-00001" / f"slot-{slot}.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    results = {}
+    for prefer in ("newest", "exact"):
+        shutil.copytree(root, tmp_path / prefer)
+        shutil.copytree(memory, job_dir(f"flip-{prefer}"),
+                        ignore=shutil.ignore_patterns("*.sock"))
+    try:
+        for prefer in ("newest", "exact"):
+            results[prefer] = run_ranks(_restore_preferring, 2, str(tmp_path / prefer),
+                                        f"flip-{prefer}", prefer)
+    finally:
+        for prefer in ("newest", "exact"):
+            shutil.rmtree(job_dir(f"flip-{prefer}"), ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    newest = results["newest"]
+    assert [(r["step"], r["source"], r["passed_over"]) for r in newest] == [
+        (4, "mixed", None)] * 2
+    assert newest[0]["lost"] > 0  # rank 1's experts older than step 4, from storage
+    exact = results["exact"]
+    for rank, r in enumerate(exact):
+        assert (r["step"], r["source"], r["lost"]) == (3, "memory", 0)
+        assert r["passed_over"] == (
+            "step 4 is newer, but rank(s) [1] have only a partial copy of it (experts "
+            "older than it: the tokens routed to them since would be lost); step 3 is "
+            "exact on every rank, 1 step(s) to train again")
+        for name, t in {**r["params"], **r["optim"]}.items():
+            assert torch.equal(t, at_3[rank][name]), (rank, name)
+    # The line goes on from step 3: step 4 is set aside, as a rollback's.
+    assert complete_steps(tmp_path / "exact")[-1] == 3
+    assert (tmp_path / "exact" / "step-00000004.rolledback").is_dir()
 
 
 LOSSY = PECPolicy(k=1, dynamic_k=True, plt_threshold=0.01)
@@ -224,15 +393,7 @@ def _kill_persist_mid_run(rank: int, world: int, root: str) -> dict:
                                 interval=1, persist_policy="wait")
     records = []
     for step in range(1, 7):
-        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
-        out = model(idx, idx)
-        out.loss.backward()
-        sync_gradients(model, groups)
-        ckpt.wait_for_snapshot()
-        opt.step()
-        model.zero_grad()
-        ckpt.record_routing(out.tokens_per_expert)
-        ckpt.maybe_save(step, {"step": step})
+        _train_step(groups, model, opt, ckpt, step)
         if step == 3 and rank == 0:  # step 3's persist (or step 2's) dies with it
             os.kill(ckpt.persist.process.pid, signal.SIGKILL)
         records += ckpt.drain_completed()
