@@ -11,6 +11,7 @@ import shutil
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from moc.checkpoint.errors import CheckpointError
 from moc.compat import has_dcp_async_staging
@@ -139,8 +140,25 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
                     f"--steps {cfg.steps}: nothing to train; raise --steps to go on, "
                     "--resume-step S to roll back to step S, or use another --ckpt-dir")
             if resumes_at == cfg.steps:
-                raise RunComplete(f"the run in {cfg.ckpt_dir} is already complete at step "
-                                  f"{resumes_at} (--steps {cfg.steps}): nothing to train")
+                _check_final_step(cfg, root, resumes_at)
+
+
+def _check_final_step(cfg: TrainConfig, root: Any, step: int) -> None:
+    """A run whose final step is on storage is complete only when that step verifies
+    (every byte it reads: `moc verify` of that step): RunComplete then. A damaged final
+    step is said in one line and the run trains again, from the newest intact step (the
+    restore skips the damaged one). Before, a truncated final shard was "already
+    complete", exit 0, while `moc verify` and `moc export` refused it (issue 47)."""
+    from moc.checkpoint.tools import verify_checkpoints
+
+    report = verify_checkpoints(root, only=[step])
+    if step not in report.damaged_steps and report.ok:
+        raise RunComplete(f"the run in {cfg.ckpt_dir} is already complete at step {step} "
+                          f"(--steps {cfg.steps}): nothing to train")
+    path, reasons = next(iter(report.bad_files.items()), ("?", ["it does not verify"]))
+    print(f"moc train: the final step {step} in {cfg.ckpt_dir} is damaged ({path}: "
+          f"{reasons[0]}): training again from the newest intact step",
+          file=sys.stderr, flush=True)
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

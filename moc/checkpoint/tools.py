@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,8 +318,9 @@ class VerifyReport:
             reasons.append(reason)
 
 
-def verify_checkpoints(root: str | Path) -> VerifyReport:
-    """Re-check every byte every complete step of `root` depends on.
+def verify_checkpoints(root: str | Path, only: Iterable[int] | None = None) -> VerifyReport:
+    """Re-check every byte every complete step of `root` depends on (of the steps in
+    `only`, when given: `moc train` checks a finished run's final step this way).
 
     For every manifest: it must be of the directory's run (`moc-run.json`), every older
     step whose files it reads must be of its own line of training (its lineage), each
@@ -337,6 +339,9 @@ def verify_checkpoints(root: str | Path) -> VerifyReport:
     missing: dict[Path, set[str]] = defaultdict(set)
     files: set[Path] = set()
     steps = _steps_of(storage)
+    if only is not None:
+        wanted = set(only)
+        steps = [step for step in steps if step in wanted]
     try:
         run_id = read_run_id(root)
     except CheckpointError as e:

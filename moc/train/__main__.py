@@ -85,7 +85,20 @@ def main(argv: list[str] | None = None) -> int:
         return _leave(1, f"moc train: rank {os.environ.get('RANK', '?')} lost a peer "
                          f"({reason.group(0) if reason else first_line(e)}); exiting")
     if result.preempted is None:
-        return 0
+        if preemption.received is None:
+            return 0
+        # The signal came after the last step's agreement round: during the final
+        # checkpoint, the validation or the close. The run finished all the same; it says
+        # so, and ends with the signal's status as every stopped run does (issue 47:
+        # before, 143 and no line).
+        line = None
+        if trainer.is_main:
+            where = (f"checkpoint {trainer.step} is on storage"
+                     if trainer.checkpointer is not None else "nothing was saved (no --ckpt-dir)")
+            line = (f"moc train: {preemption.received.name} came after the last step "
+                    f"({trainer.step}), as the run finished: the run is complete, {where}; "
+                    f"exit {exit_status(preemption.received)} as for any signal")
+        _leave(exit_status(preemption.received), line)
     sig = preemption.agreed  # maybe another rank's: this one may have received none
     assert sig is not None
     line = None

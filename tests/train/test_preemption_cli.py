@@ -37,6 +37,13 @@ def shm() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _reap(launcher: subprocess.Popen) -> None:
+    """Whatever is left of a launcher's job (its own session), SIGKILLed."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
 def _steps(metrics: Path) -> list[int]:
     return [e["step"] for e in read_events(metrics) if e["event"] == "step"]
 
@@ -63,9 +70,7 @@ def test_a_preempted_run_keeps_its_last_step_and_resumes_from_it(tmp_path, shm, 
                 os.killpg(launcher.pid, signum)  # every process of the job, as Ctrl-C
             launcher.wait(timeout=120)
         finally:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
+            _reap(launcher)
     text = err.read_text()
     name = signal.Signals(signum).name
     assert launcher.returncode == 128 + signum, text[-3000:]
@@ -89,3 +94,39 @@ def test_a_preempted_run_keeps_its_last_step_and_resumes_from_it(tmp_path, shm, 
     (recovery,) = [e for e in read_events(metrics) if e["event"] == "recovery"]
     assert (recovery["resumed_from"], recovery["lost_tokens"]) == (last, 0), json.dumps(recovery)
     assert _steps(metrics)[-5:] == list(range(last + 1, last + 6))  # nothing redone
+
+
+def test_a_sigterm_during_the_final_checkpoint_says_the_run_is_complete(tmp_path, shm):
+    """Issue 47, finding 9: a SIGTERM that came after the last step's agreement round
+    (during the final checkpoint, the validation or the close) ended the run with 143 and
+    no line. The run still finishes and is durable; now it says so, in one line."""
+    ckpt, metrics, err = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "err.txt"
+    steps = 12
+    env = {**os.environ, "MOC_SHM_ROOT": str(shm)}
+    # `small`: a final checkpoint and validation that outlast the poll below by far.
+    args = [*ARGS, "--config", "small", "--ckpt-interval", "5"]
+    with open(err, "w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "moc", "train", *args, "--steps", str(steps),
+             "--ckpt-dir", str(ckpt), "--metrics", str(metrics)],
+            stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while steps not in _steps(metrics):  # the last step's event: past its round
+                assert launcher.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the run never got to its last step"
+                time.sleep(0.02)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=120)
+        finally:
+            _reap(launcher)
+    text = err.read_text()
+    assert launcher.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if "SIGTERM" in ln]
+    assert lines == [f"moc train: SIGTERM came after the last step ({steps}), as the run "
+                     f"finished: the run is complete, checkpoint {steps} is on storage; "
+                     "exit 143 as for any signal"], text[-3000:]
+    assert complete_steps(ckpt)[-1] == steps
+    assert not [e for e in read_events(metrics) if e["event"] == "preempted"]
+    assert not list(shm.glob("moc-*")), "the job's shared memory was left behind"

@@ -131,6 +131,43 @@ def test_checkpoint_of_another_model_config_is_a_one_line_error(runs):
     assert "different model" in r.stderr and "n_experts: checkpoint 4 vs now 8" in r.stderr
 
 
+def test_a_finished_run_whose_final_step_is_damaged_trains_it_again(runs, tmp_path):
+    """Issue 47, finding 8: a finished run whose final step had a truncated shard said
+    "already complete" and exited 0, while `moc verify` and `moc export` refused that
+    step. Now the damage is said in one line, the run trains again from the newest
+    intact step, and ends where the undamaged run did, bitwise."""
+    import shutil
+
+    (straight, _) = runs["straight"]
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight / "ckpt", root)
+    shard = root / "step-00000020" / "rank-00001.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 64)
+    r = moc("train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", "20",
+            "--ckpt-dir", str(root), "--ckpt-interval", "10", "--ckpt-mode", "moc",
+            "--k-persist", "all", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "already complete" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if "is damaged" in ln]
+    assert line.startswith(f"moc train: the final step 20 in {root} is damaged "
+                           "(step-00000020/rank-00001.safetensors: size is "), line
+    assert line.endswith("training again from the newest intact step"), line
+    (recovery,) = [e for e in read_events(tmp_path / "m.jsonl") if e["event"] == "recovery"]
+    assert recovery["resumed_from"] == 10
+    assert moc("verify", str(root)).returncode == 0
+    ma, mb = Manifest.load(straight / "ckpt", 20), Manifest.load(root, 20)
+    read_a, read_b = CheckpointReader(straight / "ckpt", ma), CheckpointReader(root, mb)
+    for key in ma.entries:
+        if not key.startswith("rng/"):
+            assert torch.equal(read_a.get(key), read_b.get(key)), key
+    # Started again, it is complete now: one line, exit 0, nothing trained.
+    again = moc("train", "--nproc", "2", "--ep", "2", "--config", "tiny", "--steps", "20",
+                "--ckpt-dir", str(root), "--ckpt-mode", "moc")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete at step 20" in again.stderr
+
+
 def test_recurring_faults_each_restart_meets_the_next_one(tmp_path):
     events = _train(tmp_path, "--ckpt-mode", "pec", "--k-persist", "1", "--fault-every", "7",
                     "--fault-rank", "1", "--max-restarts", "2", interval=5)
