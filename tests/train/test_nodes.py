@@ -316,12 +316,11 @@ def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
 
 
 def test_a_job_killed_whole_resumes_from_its_memory_when_started_again(tmp_path, shm):
-    """Issue 47, finding 6: the launcher SIGKILLed (every process of the job gone with
-    it). Before, the rank hosts printed DistNetworkError tracebacks, and the same command
-    made a fresh memory root, never found the dead job's snapshots and resumed from
-    partial storage, losing tokens, with the snapshots left in /dev/shm. Now the memory
-    root is named by the checkpoint directory: started again, the run restores from it,
-    exactly, and removes it when it ends."""
+    """Issue 47, finding 6: every process of the job SIGKILLed, the launcher first.
+    Before, the same command made a fresh memory root, never found the dead job's
+    snapshots and resumed from partial storage, losing tokens, with the snapshots left in
+    /dev/shm. Now the memory root is named by the checkpoint directory: started again,
+    the run restores from it, exactly, and removes it when it ends."""
     env = {**os.environ, "MOC_SHM_ROOT": str(shm)}
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = [sys.executable, "-m", "moc", "train", "--nodes", "2", "--nproc", "1", "--ep",
@@ -341,18 +340,18 @@ def test_a_job_killed_whole_resumes_from_its_memory_when_started_again(tmp_path,
             time.sleep(0.2)
         (placement,) = [e for e in read_events(metrics) if e["event"] == "placement"]
         roots = placement["shm_roots"]
+        # Every process of the job at once, the launcher first: no final checkpoint (a
+        # launcher killed alone lets its ranks take one on their way out, when they are
+        # quick enough, and the restart then finds it complete on storage).
         launcher.kill()
         launcher.wait()
-        deadline = time.monotonic() + 90
-        while _job_processes(roots) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _job_processes(roots), "processes outlived their launcher"
     finally:
         for pid in _job_processes(roots):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    text = err.read_text()
-    assert "Traceback" not in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while _job_processes(roots) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert len(list(shm.glob("moc-nodes-*"))) == 1  # the dead job's memory, kept
     again = subprocess.run([*args[:-1], str(tmp_path / "again.jsonl")], env=env,
                            capture_output=True, text=True, timeout=600)
