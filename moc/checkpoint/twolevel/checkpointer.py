@@ -102,8 +102,10 @@ PERSIST_POLICIES = ("skip", "wait")
 log = logging.getLogger(__name__)
 
 
-def _check_options(persist_policy: str) -> None:
+def _check_options(persist_policy: str, prefer: str = "exact") -> None:
     """What both forms of the engine refuse before they touch anything."""
+    if prefer not in PREFER:
+        raise ValueError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
     if persist_policy not in PERSIST_POLICIES:
         raise ValueError(f"persist_policy must be one of {', '.join(PERSIST_POLICIES)}, "
                          f"got {persist_policy!r}")
@@ -129,10 +131,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     nodes also `k_replica` ("all", an int K, or 0 for no replicas), `replica_jump` (node
     i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a rank may
     send, None: unlimited); the directory must then be storage every node sees.
-    `prefer` decides what a restore takes when some rank has only a partial copy of the
-    newest step (experts older than it) and every rank has an exact copy of an older
-    one: "exact" (the default) takes the older one and sets the newer steps aside;
-    "newest" takes the newer one and counts the tokens it loses (PLT).
+    `prefer`: "exact" (an older step exact on every rank before a newer partial one,
+    `twolevel.copies`) or "newest".
 
     With `optimizer=None` (model-only: restore for inference, never save) the
     constructor returns a `twolevel.reader.StorageReader`, which leaves the training
@@ -142,8 +142,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     def __new__(cls, model: nn.Module, optimizer: object, directory: str | Path,
                 **options: Any) -> Any:
         if optimizer is None:
-            _check_options(options.pop("persist_policy", "skip"))
-            for name in ("k_snapshot", "k_replica", "replica_jump", "replica_rate", "prefer"):
+            _check_options(options.pop("persist_policy", "skip"), options.pop("prefer", "exact"))
+            for name in ("k_snapshot", "k_replica", "replica_jump", "replica_rate"):
                 options.pop(name, None)
             return StorageReader(model, directory, **options)
         return super().__new__(cls)
@@ -157,9 +157,7 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                  max_failures: int | None = DEFAULT_MAX_FAILURES,
                  k_replica: int | str | None = "all", replica_jump: int = 1,
                  replica_rate: float | None = None, prefer: str = "exact") -> None:
-        _check_options(persist_policy)
-        if prefer not in PREFER:
-            raise ValueError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+        _check_options(persist_policy, prefer)
         self.prefer = prefer
         self.parts = p = EngineParts.build(
             model, optimizer, directory, experts=experts, groups=groups, policy=policy,
