@@ -124,6 +124,10 @@ class KnownCopies:
     every rank learned after the attempt (`attempts`)."""
     failed: list[Version] = field(default_factory=list)
     """This rank's own copies that failed to read since the last attempt."""
+    storage_lost: int | None = None
+    """The expert tokens a restore of the newest persisted step from storage alone
+    loses (its manifest's ledger); the most the newer choice loses, since a copy in
+    memory is never older than storage's (`passed_over`). None: not known."""
 
     def remote(self, rank: int, v: Version) -> tuple[int, str, int, int] | None:
         """(holder's leader, kind, slot, expert weight keys) of a copy of `rank`'s `v` in
@@ -215,7 +219,9 @@ class KnownCopies:
         lossy = self.lossy(at_newest[0]) if at_newest else list(range(self.world))
         if not lossy:
             return None  # the newer exact one failed to load: the restore says why
+        cost = ("the tokens routed to them since would be lost"
+                if self.storage_lost is None or newest != self.newest
+                else f"up to {self.storage_lost} expert tokens would be lost")
         return (f"step {newest} is newer, but rank(s) {lossy} have only a partial copy of "
-                f"it (experts older than it: the tokens routed to them since would be "
-                f"lost); step {v[0]} is exact on every rank, {newest - v[0]} step(s) to "
-                "train again")
+                f"it (experts older than it: {cost}); step {v[0]} is exact on every "
+                f"rank, {newest - v[0]} step(s) to train again")

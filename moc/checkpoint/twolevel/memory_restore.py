@@ -151,10 +151,11 @@ def restore_from_memory(q: MemoryQuery) -> MemoryRestore | None:
     restored nor mixed with what storage holds.
     """
     newest = q.storage[-1] if q.storage else None
-    base, storage_exact = _storage_lineage(q.root, newest, q.dist, q.run_id)
+    base, storage_exact, storage_lost = _storage_lineage(q.root, newest, q.dist, q.run_id)
     if newest is not None and base is None:
         return None  # the newest persisted step cannot be read: storage's restore decides
     restore = _Restore.gather(q, base, newest, storage_exact)
+    restore.known.storage_lost = storage_lost
     # Any failure here (a corrupt slot, a missing file) is agreed on, never left to one rank.
     restored, _ = restore_loop(restore.known.attempts(q.dist.all_gather), restore.load,
                                q.dist, skip=(Exception,),
@@ -304,24 +305,28 @@ def _version(q: MemoryQuery, base: Lineage | None, newest: int | None,
 
 
 def _storage_lineage(root: Path, newest: int | None, dist: Dist, run_id: str | None
-                     ) -> tuple[Lineage | None, bool]:
+                     ) -> tuple[Lineage | None, bool, int | None]:
     """The lineage of the newest persisted step, as rank 0 reads it (the same on every
-    rank), and whether that step holds every expert at its own step; None when there is
-    none, or its manifest cannot be read or is another run's (storage's restore then
-    decides, and skips it)."""
-    line, exact = None, False
+    rank), whether that step holds every expert at its own step, and the expert tokens
+    a restore of it from storage alone loses (its ledger's; None: no step). The lineage
+    is None when there is none, or its manifest cannot be read or is another run's
+    (storage's restore then decides, and skips it)."""
+    line, exact, lost = None, False, None
     if dist.rank == 0 and newest is not None:
         try:
             manifest = Manifest.load(root, newest)
             check_run(manifest, run_id, f"step {newest}")
             line = manifest.lineage.to_json()
             exact = all(e.step == newest for e in manifest.entries.values())
+            tokens = manifest.tokens
+            lost = int((torch.tensor(tokens["cumulative"], dtype=torch.int64)
+                        - torch.tensor(tokens["at_save"], dtype=torch.int64)).sum())
         except (CheckpointError, OSError, ValueError) as e:
             log.warning("the manifest of step %d cannot be read (%s): not restoring from "
                         "memory", newest, e)
-    line, exact = dist.broadcast((line, exact))
+    line, exact, lost = dist.broadcast((line, exact, lost))
     lineage = None if line is None else Lineage.from_json(line, "the newest step's lineage")
-    return lineage, exact
+    return lineage, exact, lost
 
 
 def _version_of(header: SnapshotHeader) -> Version | None:

@@ -32,6 +32,10 @@ def test_an_older_exact_step_comes_before_a_newer_partial_one():
         "step 10 is newer, but rank(s) [1] have only a partial copy of it (experts older "
         "than it: the tokens routed to them since would be lost); step 8 is exact on "
         "every rank, 2 step(s) to train again")
+    # With storage's ledger known, the line says what the newer step would cost.
+    k.storage_lost = 1234
+    assert "(experts older than it: up to 1234 expert tokens would be lost)" in (
+        k.passed_over((8, W)))
     # Asked for the newest: the partial step, and nothing older than storage's.
     assert known(k.everyone, k.holdings, newest=10, prefer="newest").candidates() == [
         (10, W)]

@@ -218,12 +218,19 @@ def test_a_flipped_bit_in_the_newest_snapshot_restores_the_exact_step_before(tmp
     assert [(r["step"], r["source"], r["passed_over"]) for r in newest] == [
         (4, "mixed", None)] * 2
     assert newest[0]["lost"] > 0  # rank 1's experts older than step 4, from storage
+    # What the newer choice could lose, counted by hand from storage's step 4: every
+    # expert's tokens since its copy there. Rank 0's own snapshot lost nothing, so
+    # `prefer="newest"` lost less than that bound, never more.
+    tokens = Manifest.load(tmp_path / "newest", 4).tokens
+    bound = sum(c - a for cum, at in zip(tokens["cumulative"], tokens["at_save"], strict=True)
+                for c, a in zip(cum, at, strict=True))
+    assert 0 < newest[0]["lost"] <= bound
     exact = results["exact"]
     for rank, r in enumerate(exact):
         assert (r["step"], r["source"], r["lost"]) == (3, "memory", 0)
         assert r["passed_over"] == (
             "step 4 is newer, but rank(s) [1] have only a partial copy of it (experts "
-            "older than it: the tokens routed to them since would be lost); step 3 is "
+            f"older than it: up to {bound} expert tokens would be lost); step 3 is "
             "exact on every rank, 1 step(s) to train again")
         for name, t in {**r["params"], **r["optim"]}.items():
             assert torch.equal(t, at_3[rank][name]), (rank, name)
