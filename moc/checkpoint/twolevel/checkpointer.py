@@ -199,7 +199,8 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
                        self.persist.nonce), replicas=self.snapshots.replicas)
         self.persist.add_tidy(self.parts.tidy)
         self._in_flight = Checkpoints()
-        self._hooks = OptimizerHooks(self)
+        self._hooks = OptimizerHooks(self, (t for _, t in p.state.named),
+                                     self.snapshots.prepare_for(p.state))
 
     # -- the training loop's calls -------------------------------------------------------
 

@@ -23,20 +23,10 @@ from moc.checkpoint.phases import Phases
 from moc.checkpoint.twolevel.planner import PlanOutcome
 from moc.checkpoint.twolevel.protocol import Done
 from moc.checkpoint.twolevel.replica import ReplicaReport
+from moc.checkpoint.twolevel.sizing import SnapshotTiming
 from moc.checkpoint.twolevel.worker import SnapshotHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SnapshotTiming:
-    """What training did beside one snapshot (for `k_snapshot="auto"`)."""
-
-    window: float
-    """Seconds training ran between `save()` returning and `wait_for_snapshot()`."""
-    period: float | None
-    """Seconds between the last two saves (None at the first): what a snapshot's plan,
-    capture and seal together may take before the next one waits behind them."""
 
 
 @dataclass

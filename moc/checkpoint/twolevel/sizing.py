@@ -8,6 +8,7 @@ K_snapshot whose copy still hides behind a forward and backward pass (`choose_k`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,8 +18,18 @@ from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.twolevel.slots import SnapshotHeader
 
 if TYPE_CHECKING:
-    from moc.checkpoint.twolevel.results import SnapshotTiming
     from moc.checkpoint.twolevel.worker import SnapshotHandle
+
+
+@dataclass(frozen=True)
+class SnapshotTiming:
+    """What training did beside one snapshot (for `k_snapshot="auto"`)."""
+
+    window: float
+    """Seconds training ran between `save()` returning and `wait_for_snapshot()`."""
+    period: float | None
+    """Seconds between the last two saves (None at the first): what a snapshot's plan,
+    capture and seal together may take before the next one waits behind them."""
 
 
 def parse_k_snapshot(k_snapshot: int | str | None, n_experts: int) -> tuple[int, bool]:

@@ -27,12 +27,14 @@ import torch.distributed as tdist
 
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.spec import ExpertSpec
+from moc.checkpoint.state import RankState
 from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.twolevel.capture import copier_for
 from moc.checkpoint.twolevel.copies import Peers, invalidate_node
 from moc.checkpoint.twolevel.jobdir import job_dir, remove_job
 from moc.checkpoint.twolevel.native import default_threads
 from moc.checkpoint.twolevel.nodes import NodeLayout
+from moc.checkpoint.twolevel.places import slot_layout
 from moc.checkpoint.twolevel.replica import ReplicaChannel
 from moc.checkpoint.twolevel.replication import Replication
 from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
@@ -102,11 +104,6 @@ class Snapshotter:
         ready.record(torch.cuda.current_stream(self.copier.pin))
         return ready
 
-    @property
-    def prepared(self) -> bool:
-        """Whether the slots were prepared (or are being prepared) ahead of snapshots."""
-        return self._prepared is not None
-
     def prepare(self, size: int) -> None:
         """Make the slots ready for snapshots of `size` bytes (`SnapshotStore.prepare`:
         reserved, faulted in, pinned), on the snapshot thread, ahead of the snapshot that
@@ -123,6 +120,11 @@ class Snapshotter:
                 log.info("the snapshot slots could not be prepared ahead: %s", e)
 
         self._prepared = self.worker.submit(run)
+
+    def prepare_for(self, state: RankState) -> Callable[[], None]:
+        """`prepare` at the size of `state` as it is when called: the optimizer hooks
+        call it after the first step, once the optimizer's state exists."""
+        return lambda: self.prepare(slot_layout(state.sizing())[1])
 
     def wait_prepared(self) -> None:
         """Block until the slots' preparation (if any) is over: before the caller's

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moc.checkpoint.twolevel.capture import write_snapshot
 from moc.checkpoint.twolevel.replica import (
@@ -28,7 +27,7 @@ from moc.checkpoint.twolevel.replica import (
     exchange_replicas,
 )
 from moc.checkpoint.twolevel.slots import SnapshotStore, slot_capacity
-from tests.distributed import _entry, free_port, run_ranks
+from tests.distributed import _entry, free_port, rank_process, run_ranks
 from tests.fs import tmpfs
 
 pytestmark = pytest.mark.integration  # real gloo processes
@@ -191,12 +190,11 @@ def _stopped_rank(rank: int, world: int, base: str) -> dict:
 
 def test_a_peer_stopped_mid_round_breaks_the_channel_on_both_sides_within_the_bound(
         tmp_path, monkeypatch):
-    ctx = mp.get_context("spawn")
     port = free_port()
     out = tmp_path / "out"
     out.mkdir()
-    procs = [ctx.Process(target=_entry, args=(_stopped_rank, r, 2, port, str(out),
-                                              (str(tmp_path),))) for r in range(2)]
+    procs = [rank_process(_entry, _stopped_rank, r, 2, port, str(out),
+                          (str(tmp_path),)) for r in range(2)]
     for p in procs:
         p.start()
     monkeypatch.setenv("MOC_SHM_ROOT", str(tmp_path / "node1"))
