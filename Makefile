@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py moc/checkpoint/twolevel/streamcopy.c scripts/setup.sh
+$(VENV)/.installed: pyproject.toml setup.py moc/checkpoint/twolevel/memory/streamcopy.c scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
 	touch $@
 

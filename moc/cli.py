@@ -198,7 +198,7 @@ def _memory_key(cfg: TrainConfig) -> str | None:
     checkpoint directory's job id, so that the run started again finds it."""
     if cfg.ckpt_dir is None or cfg.ckpt_mode != "moc":
         return None
-    from moc.checkpoint.twolevel.jobdir import default_job_id
+    from moc.checkpoint.twolevel.memory.jobdir import default_job_id
 
     return default_job_id(cfg.ckpt_dir)
 

@@ -295,8 +295,7 @@ def section_info(c: Ctx) -> dict[str, Any]:
 
     import torch
 
-    from moc.checkpoint.twolevel import native
-
+    from moc.checkpoint.twolevel.memory import native
     info: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "packages": {n: importlib.util.find_spec(n) is not None for n in OPTIONAL},

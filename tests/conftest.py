@@ -1,7 +1,7 @@
 """Node-local memory of the test run's own: no test leaves snapshots in the machine's.
 
 A job killed by a test leaves its snapshots in shared memory for a grace period
-(`moc.checkpoint.twolevel.jobdir.GRACE_S`, ten minutes), for a restart to resume from.
+(`moc.checkpoint.twolevel.memory.jobdir.GRACE_S`, ten minutes), for a restart to resume from.
 A test run kills many jobs; in the machine's /dev/shm their memory would outlive the run
 by that much, on a CI runner whose /dev/shm is often 64 MB. So every test gets a
 MOC_SHM_ROOT of its own (inherited by the processes it starts), removed after it, and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from moc.checkpoint.twolevel.jobdir import read_owner, record_owner
+from moc.checkpoint.twolevel.memory.jobdir import read_owner, record_owner
 
 BASE = os.environ.get("MOC_SHM_ROOT") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
 

@@ -125,7 +125,7 @@ def test_moc_starts_without_importing_dtensor_fsdp_or_zero():
     them (`moc.checkpoint.shards.is_dtensor`)."""
     heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.optim"]
     r = subprocess.run([sys.executable, "-c", "import sys, moc, moc.cli, moc.train.loop, "
-                        "moc.checkpoint.twolevel.persist; print([m for m in "
+                        "moc.checkpoint.twolevel.persist.server; print([m for m in "
                         f"{heavy!r} if m in sys.modules])"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

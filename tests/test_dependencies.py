@@ -19,6 +19,10 @@
    its optimizer hooks, and the planner, replicas, sizing and results, each closed
    through a type.
 
+7. The two-level engine's folders import only the folders before them (`FOLDERS`), and
+   none imports the engine's own modules at `moc.checkpoint.twolevel`'s root: a change
+   to one role stays in its folder (issue 48).
+
 The checks read the source with `ast` (imports inside functions included), so they hold
 for code that no test happens to execute.
 """
@@ -47,8 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine core", ("moc.checkpoint.parts", "moc.checkpoint.recovery",
                      "moc.checkpoint.routing")),
     ("engines", ("moc.checkpoint.sync", "moc.checkpoint.twolevel")),
-    ("around the engines", ("moc.checkpoint.export", "moc.checkpoint.tools",
-                            "moc.checkpoint.preemption")),
+    ("around the engines", ("moc.checkpoint.export", "moc.checkpoint.exportplan",
+                            "moc.checkpoint.tools", "moc.checkpoint.preemption")),
     ("front door", ("moc",)),
     ("framework integrations", ("moc.integrations",)),
     ("reference model", ("moc.model",)),
@@ -63,6 +67,13 @@ imported from one, belongs to the layer of the most specific prefix listed that 
 under: a new module of `store/` or `twolevel/` takes its package's layer, a new module
 directly in `moc/checkpoint/` the lowest checkpoint layer (list it where it belongs), and
 a new top-level module the front door's (`moc/__init__.py`: the product's public names)."""
+
+
+ENGINE = "moc.checkpoint.twolevel"
+FOLDERS = ("memory", "snapshot", "persist", "replicas", "recovery")
+"""The two-level engine's folders, in the order they may import each other: each imports
+only those before it (memory is the lowest: host memory, slots, the native copy);
+the engine's modules at the root compose them all (rule 7)."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +322,33 @@ def check_cycles(sources: dict[str, str], wheres: dict[str, str] | None = None,
     return out
 
 
+def check_folders(sources: dict[str, str], wheres: dict[str, str] | None = None,
+                  packages: frozenset[str] = frozenset()) -> list[Violation]:
+    """Rule 7: one violation per import of a later folder, or of the engine's root, by a
+    module of one of the engine's folders."""
+    def folder(module: str) -> str | None:
+        """The folder of `module` within the engine; "" for the root; None outside."""
+        if not module.startswith(f"{ENGINE}."):
+            return None
+        rest = module[len(ENGINE) + 1:].split(".")
+        return rest[0] if len(rest) > 1 or rest[0] in FOLDERS else ""
+
+    out = []
+    for module, edges in import_graph(sources, packages).items():
+        mine = folder(module)
+        if not mine:
+            continue
+        for target, line in edges.items():
+            theirs = folder(target)
+            if theirs is None or theirs == mine:
+                continue
+            if theirs == "" or FOLDERS.index(theirs) > FOLDERS.index(mine):
+                what = ("the engine's root" if theirs == "" else f"the later folder {theirs}/")
+                out.append(Violation(f"{(wheres or {}).get(module, module)}:{line}",
+                                     f"{mine}/ imports {target}, of {what}"))
+    return out
+
+
 def check_package() -> list[Violation]:
     out = []
     sources: dict[str, str] = {}
@@ -325,7 +363,8 @@ def check_package() -> list[Violation]:
             packages.add(module)
         out += check_source(module, source, where, path.name == "__init__.py")
         out += check_unpickling(source, where)
-    return out + check_cycles(sources, wheres, frozenset(packages))
+    return (out + check_cycles(sources, wheres, frozenset(packages))
+            + check_folders(sources, wheres, frozenset(packages)))
 
 
 def test_the_package_keeps_its_dependency_rules():
@@ -362,11 +401,30 @@ def test_the_checker_flags_what_it_forbids():
                                 "m")
 
 
+def test_the_folder_rule_flags_a_later_folder_and_the_engine_root():
+    """Rule 7 can fail: a folder importing a later folder, or the engine's root (for a
+    type too), is caught; an earlier folder, its own, and what lies outside pass."""
+    root = f"{ENGINE}.checkpointer"
+    sources = {
+        f"{ENGINE}.memory.slots": f"from {ENGINE}.snapshot.worker import SnapshotJob",
+        f"{ENGINE}.snapshot.hooks": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    f"    from {root} import TwoLevelCheckpointer",
+        f"{ENGINE}.snapshot.worker": f"from {ENGINE}.memory.slots import SnapshotStore\n"
+                                    f"from {ENGINE}.snapshot import capture\n"
+                                    "from moc.checkpoint.errors import CheckpointError",
+        f"{ENGINE}.snapshot.capture": "", root: f"from {ENGINE}.recovery.copies import PREFER",
+        f"{ENGINE}.recovery.copies": "", "moc.checkpoint.errors": "",
+    }
+    found = sorted(v.what for v in check_folders(sources))
+    assert found == [f"memory/ imports {ENGINE}.snapshot.worker, of the later folder snapshot/",
+                     f"snapshot/ imports {root}, of the engine's root"], found
+
+
 def test_the_layer_rule_flags_an_import_of_a_higher_layer():
     """Rule 5 can fail: each upward import is caught, a new module of a package takes the
     package's layer, and imports of a module's own layer or lower pass."""
     upward = {
-        "moc.checkpoint.codec": "from moc.checkpoint.twolevel.protocol import Hello",
+        "moc.checkpoint.codec": "from moc.checkpoint.twolevel.persist.protocol import Hello",
         "moc.checkpoint.parts": "from moc.checkpoint.export import model_config_of",
         "moc.checkpoint.dist": "def f():\n    from moc.checkpoint import recovery",
         "moc.checkpoint.store.storage": "from moc.checkpoint.dist import Dist",
@@ -390,7 +448,7 @@ def test_the_layer_rule_flags_an_import_of_a_higher_layer():
                                         "\nfrom moc.checkpoint.errors import CheckpointError",
         "moc.checkpoint.codec": "from moc.checkpoint.store.manifest import Entry",
         "moc.bench.simulate": "if __name__ == '__main__':\n    from moc.cli import main",
-        "moc.checkpoint.twolevel.protocol": "from moc.checkpoint import codec",
+        "moc.checkpoint.twolevel.persist.protocol": "from moc.checkpoint import codec",
         "moc.checkpoint.parts": "from moc.checkpoint.modelconfig import model_config_of",
         "moc.checkpoint.export": "from moc.checkpoint.recovery import CheckpointReader",
         "moc.train.loop": "from moc.baselines import dcp\nfrom moc import Checkpointer",

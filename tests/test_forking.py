@@ -1,4 +1,4 @@
-"""`moc.checkpoint.twolevel.forking`: children forked from an interpreter that imported
+"""`moc.checkpoint.twolevel.persist.forking`: children forked from an interpreter that imported
 what they run. Real forks: a child's status, its death by a signal, what it keeps of its
 parent's descriptors, its stdin pipe, and its signal handlers."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from moc.checkpoint.twolevel.forking import fork
+from moc.checkpoint.twolevel.persist.forking import fork
 
 
 def test_a_child_exits_with_what_it_returns_raises_or_exits_with():

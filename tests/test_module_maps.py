@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "moc" / "checkpoint"
-MAPPED = [PACKAGE, *(p for p in sorted(PACKAGE.iterdir())
-                     if p.is_dir() and (p / "__init__.py").is_file())]
+MAPPED = [PACKAGE, *(p.parent for p in sorted(PACKAGE.rglob("*/__init__.py")))]
 
 
 def unmapped(package: Path) -> list[str]:
@@ -25,7 +24,8 @@ def unmapped(package: Path) -> list[str]:
     return sorted(c for c in children if c not in named)
 
 
-@pytest.mark.parametrize("package", MAPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("package", MAPPED,
+                         ids=lambda p: str(p.relative_to(PACKAGE.parent)))
 def test_every_module_is_in_its_package_map(package):
     missing = unmapped(package)
     assert not missing, (f"{package.relative_to(PACKAGE.parents[1])}/__init__.py does not "

@@ -42,9 +42,9 @@ from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning
 from moc.checkpoint.store.format import CRC32C, digest
-from moc.checkpoint.twolevel import native
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.places import slot_layout
+from moc.checkpoint.twolevel.memory import native
+from moc.checkpoint.twolevel.memory.places import slot_layout
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from moc.train.config import PRESETS

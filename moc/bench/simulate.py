@@ -622,7 +622,7 @@ DEFAULT_BYTES_PER_PARAM = 14
 Adam m and v (4 + 4). Gradients are not checkpointed."""
 
 N_SLOTS_OWN = 3
-"""moc's own snapshot slots per node (moc.checkpoint.twolevel.slots.N_SLOTS, not imported:
+"""moc's own snapshot slots per node (moc.checkpoint.twolevel.memory.slots.N_SLOTS, not imported:
 the simulator stays free of torch)."""
 
 REPLICA_SLOTS = 2

@@ -14,7 +14,7 @@ tests/test_dependencies.py).
     shards.py       DTensor placements as boxes: pieces of a tensor, and their tiling
     optimizers.py   an optimizer as the engines see it: torch's, ZeRO's partition, and
                     optimizers that step others (torchtitan's container), read through
-    state.py        a rank's state flattened under those keys, and installed back
+    state/          a rank's state flattened under those keys, and installed back
     parts.py        the parts every engine is built from
     lineage.py      which line of training a checkpoint is; saves that never go back
     preemption.py   SIGTERM/SIGINT: stop at an agreed step boundary, a final checkpoint
@@ -29,6 +29,7 @@ tests/test_dependencies.py).
     twolevel/       `TwoLevelCheckpointer`: snapshot in memory, background persist
     tools.py        inspect, verify
     export.py       a step as the model's own state dict (`moc export`)
+    exportplan.py   that state dict from the manifest alone: names, keys, experts' ages
 
 The layers (lowest first) are in tests/test_dependencies.py: no module imports a higher
 one, and none is in an import cycle.

@@ -40,7 +40,7 @@ CLASSES = {
     "RankError": "moc.checkpoint.errors",
     "Entry": "moc.checkpoint.store.manifest",
     **dict.fromkeys(("Hello", "Ready", "Failed", "Persist", "Abandon", "Stop", "Done"),
-                    "moc.checkpoint.twolevel.protocol"),
+                    "moc.checkpoint.twolevel.persist.protocol"),
 }
 """The closed list of classes that may travel: name on the wire -> the module that
 defines the class of that name. Nothing else is ever built from a message."""

@@ -1,7 +1,7 @@
 """Whether the process a record names is gone, said only when it can be proven.
 
 moc leaves two records that outlive their writer: the object-store lock (`store.lock`)
-and the owner of a job's shared memory (`twolevel.slots.claim_job`). Each is taken
+and the owner of a job's shared memory (`twolevel.memory.slots.claim_job`). Each is taken
 over, or removed, when its process is gone. A pid alone cannot prove that:
 
 - a container with its own PID namespace sees none of another's pids, so a live

@@ -340,7 +340,7 @@ def placed_like_torch(key: str, v: torch.Tensor, p: torch.Tensor, group: dict[st
 
 
 NAMES_KEPT = 16
-"""Parameter lists whose names a cache of `describe_groups` or `_plain_groups` keeps (a
+"""Parameter lists whose names a cache of `describe_groups` or `plain_groups` keeps (a
 few groups, remade when a group's parameters change)."""
 
 

@@ -18,7 +18,7 @@ from moc.checkpoint.dist import Dist
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.nodes import node_memory_root
+from moc.checkpoint.twolevel.memory.nodes import node_memory_root
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW, shard_experts
 from moc.topology import node_rank, restart_count

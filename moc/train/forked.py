@@ -1,4 +1,4 @@
-"""Training processes forked from their rank host (`moc.checkpoint.twolevel.forking`).
+"""Training processes forked from their rank host (`moc.checkpoint.twolevel.persist.forking`).
 
 A newcomer started as a new interpreter pays Python's start, torch's and moc's imports
 before it can join the job: on the project's 2-core VM, with a node lost every 50 steps
@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from moc.checkpoint.twolevel.forking import Forked
-from moc.checkpoint.twolevel.forking import fork as fork_child
+from moc.checkpoint.twolevel.persist.forking import Forked
+from moc.checkpoint.twolevel.persist.forking import fork as fork_child
 
 ENV_START = "MOC_INJOB_START"
 """fork (the default where os.fork exists) or spawn (a new interpreter per process)."""
@@ -48,7 +48,7 @@ def fork(argv: list[str], env: dict[str, str], keep_fd: int, stdin: bool,
     def run() -> int | None:
         os.environ.clear()
         os.environ.update(env)
-        from moc.checkpoint.twolevel import prestart
+        from moc.checkpoint.twolevel.persist import prestart
         from moc.train.__main__ import main
         from moc.train.injob import ENV_PRESTART
 

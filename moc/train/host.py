@@ -42,8 +42,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from moc.checkpoint.twolevel import prestart
-from moc.checkpoint.twolevel.forking import Forked
+from moc.checkpoint.twolevel.persist import prestart
+from moc.checkpoint.twolevel.persist.forking import Forked
 from moc.train import forked
 from moc.train.injob import (
     ENV_FD,
@@ -90,7 +90,8 @@ only."""
 POLL_S = 0.02
 BOOT = """\
 import importlib.util, os, runpy, sys
-spec = importlib.util.spec_from_file_location("moc.checkpoint.twolevel.prestart", sys.argv[1])
+name = "moc.checkpoint.twolevel.persist.prestart"
+spec = importlib.util.spec_from_file_location(name, sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
@@ -100,7 +101,7 @@ sys.argv = ["moc.train", *sys.argv[2:]]
 runpy.run_module("moc.train", run_name="__main__", alter_sys=True)
 """
 """A training process's first lines: a node's leader starts its persist process ahead
-(`twolevel.prestart`, stdlib only, loaded by its path before anything imports torch), so
+(`twolevel.persist.prestart`, stdlib only, loaded by its path before anything imports torch), so
 that its import runs beside the training process's own; then `python -m moc.train`."""
 
 

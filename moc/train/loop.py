@@ -24,7 +24,7 @@ from moc.checkpoint.api import CheckpointEngine
 from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
-from moc.checkpoint.twolevel.prestart import prestart
+from moc.checkpoint.twolevel.persist.prestart import prestart
 from moc.parallel import (
     ParallelGroups,
     ShardedAdamW,

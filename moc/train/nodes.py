@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.jobdir import read_owner, record_owner, secure_dir
+from moc.checkpoint.twolevel.memory.jobdir import read_owner, record_owner, secure_dir
 from moc.train.agent import TORCHRUN_SHUTDOWN_S
 from moc.train.machines import ENV_NODES, JOB_FINISHED
 

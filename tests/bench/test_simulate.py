@@ -363,7 +363,7 @@ def test_module_entry_point_runs_the_peer_table(tmp_path):
 
 
 def test_own_slot_count_mirrors_the_engine():
-    from moc.checkpoint.twolevel.slots import N_SLOTS
+    from moc.checkpoint.twolevel.memory.slots import N_SLOTS
 
     assert sim.N_SLOTS_OWN == N_SLOTS
 

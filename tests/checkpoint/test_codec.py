@@ -13,7 +13,7 @@ import torch
 from moc.checkpoint import codec
 from moc.checkpoint.dist import RankError
 from moc.checkpoint.store.manifest import Entry
-from moc.checkpoint.twolevel.protocol import Done, Failed, Hello, Persist, Ready, Stop
+from moc.checkpoint.twolevel.persist.protocol import Done, Failed, Hello, Persist, Ready, Stop
 
 ENGINE_OBJECTS = [
     None, True, 0, -3, 2**62, 1.5, "x", [], (), {},

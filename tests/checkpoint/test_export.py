@@ -525,7 +525,7 @@ def test_a_model_only_reader_beside_a_running_two_level_job_leaves_its_memory_al
     to claim the job's shared memory, start a second persist process for it and, at
     close, delete it: the trainer's next snapshot failed and its in-memory recovery was
     gone."""
-    from moc.checkpoint.twolevel.jobdir import job_dir
+    from moc.checkpoint.twolevel.memory.jobdir import job_dir
     root = tmp_path / "ckpt"
     model, opt = _moc_model()
     ckpt = moc.TwoLevelCheckpointer(model, opt, root, policy=moc.PECPolicy(k=1),

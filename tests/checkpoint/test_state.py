@@ -334,8 +334,9 @@ class FakeAccelerator:
 def accelerator(monkeypatch):
     """A rank whose parameters live on the host, as if they also lived on `cuda:<i>`
     (set `accelerator.index`; None: on no accelerator) with a `FakeAccelerator`'s
-    generators: the rank's generator keys are computed from that device list."""
-    from moc.checkpoint import state as state_module
+    generators: the rank's generator keys are computed from that device list (patched
+    where `RankState` and `load_rank_state` look it up)."""
+    from moc.checkpoint.state import rank as state_module
 
     fake = FakeAccelerator()
     fake.index = None

@@ -146,7 +146,8 @@ def test_a_kill_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
         if steps and max(steps) >= kill_step:
             time.sleep(delay)
             if target == "persist":
-                pid = (_pids("moc.checkpoint.twolevel.persist import serve_on")[:1] or [None])[0]
+                pid = (_pids("moc.checkpoint.twolevel.persist.server import serve_on")[:1]
+                       or [None])[0]
             else:
                 pid = _rank_pid(int(target[-1]))
             if pid is not None:

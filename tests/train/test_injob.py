@@ -88,7 +88,7 @@ def test_by_default_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process
 
 
 def test_newcomers_started_as_new_interpreters_recover_the_same(tmp_path, reference):
-    """MOC_INJOB_START=spawn: the way before forking (moc.checkpoint.twolevel.forking),
+    """MOC_INJOB_START=spawn: the way before forking (moc.checkpoint.twolevel.persist.forking),
     kept for a platform without fork."""
     train(tmp_path, "--nproc", "2", "--fault-at", "12", "--fault-rank", "1",
           env={"MOC_INJOB_START": "spawn"})

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel import prestart
+from moc.checkpoint.twolevel.persist import prestart
 from moc.train import host
 from moc.train.config import TrainConfig
 from moc.train.injob import (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moc.checkpoint.twolevel.jobdir import GONE, GRACE_ENV, default_job_id, job_dir
+from moc.checkpoint.twolevel.memory.jobdir import GONE, GRACE_ENV, default_job_id, job_dir
 from moc.train.metrics import read_events
 
 pytestmark = pytest.mark.integration
@@ -106,7 +106,7 @@ def test_a_crashed_job_restarted_after_another_job_started_resumes_from_memory(t
     gone = job_dir(default_job_id(other)) / GONE
     time.sleep(max(0.0, float(gone.read_text()) + 0.5 - time.time()))
     claim = subprocess.run(
-        [sys.executable, "-c", "from moc.checkpoint.twolevel.jobdir import claim_job;"
+        [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.jobdir import claim_job;"
          "claim_job('next')"], env={**env, GRACE_ENV: "0.5"}, capture_output=True,
         text=True, timeout=120)
     assert claim.returncode == 0, claim.stderr[-2000:]

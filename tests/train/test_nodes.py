@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moc.checkpoint.liveness import ProcessId
-from moc.checkpoint.twolevel.jobdir import OWNER
+from moc.checkpoint.twolevel.memory.jobdir import OWNER
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
 from tests.procs import dead_pid
@@ -257,7 +257,7 @@ def test_a_running_launchers_memory_outlives_another_jobs_cleanup_however_old(tm
         record = ProcessId.of(os.getpid()).to_json() | {"pid": dead_pid()}
         (dead / OWNER).write_text(json.dumps(record))
         claim = subprocess.run(
-            [sys.executable, "-c", "from moc.checkpoint.twolevel.jobdir import claim_job"
+            [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.jobdir import claim_job"
              "remove_stale_jobs; print(sorted(p.name for p in remove_stale_jobs('other')))"
              "; claim_job('other')"], env=env, capture_output=True, text=True, timeout=120)
         assert claim.returncode == 0, claim.stderr[-2000:]
@@ -309,7 +309,7 @@ def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
                 os.kill(pid, signal.SIGKILL)
     (root,) = shm.glob("moc-nodes-*")
     claim = subprocess.run(
-        [sys.executable, "-c", "from moc.checkpoint.twolevel.slots import claim_job;"
+        [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.slots import claim_job;"
          "claim_job('next')"], env=env, capture_output=True, text=True, timeout=120)
     assert claim.returncode == 0, claim.stderr[-2000:]
     assert not root.exists()

@@ -123,7 +123,7 @@ class Storage(ABC):
 
     def write_record(self, step: int, name: str, record: dict[str, Any]) -> None:
         """A small JSON record beside `step`'s files before its commit (the commit
-        across nodes: `twolevel.commit`)."""
+        across nodes: `twolevel.persist.commit`)."""
         self.write_file(self.tmp_dir(step), name, json.dumps(record).encode())
 
     def remove_record(self, step: int, name: str) -> None:

@@ -16,27 +16,27 @@ How a checkpoint goes:
     save(s)              hand step s to the snapshot thread and return at once; that
                          thread runs the plan (`twolevel.planner`: one small all-reduce,
                          the experts, the sharded writes, a free slot) and copies this
-                         rank's state into node-local shared memory (`twolevel.slots`)
+                         rank's state into node-local shared memory (`twolevel.memory.slots`)
     wait_for_snapshot()  right before optimizer.step(): blocks only if the copy is not
                          done yet; the stall is max(0, copy time - forward/backward time)
     persist process      writes the K_persist experts + non-expert share of each rank
                          from shared memory to storage and commits the manifest
-                         (`twolevel.persist`, speaking `twolevel.protocol`)
+                         (`twolevel.persist.server`, speaking `twolevel.persist.protocol`)
 
 The snapshot is complete (every expert: K_snapshot = N) unless asked otherwise
-(`twolevel.sizing`). Host memcpy is cheap, and a complete snapshot makes recovery from a
+(`twolevel.snapshot.sizing`). Host memcpy is cheap, and a complete snapshot makes recovery from a
 process crash exact: no tokens are lost. Only what reaches storage is partial
 (K_persist), which bounds what a node loss costs.
 
-Across nodes (`twolevel.nodes`): each node has its own shared memory and its own persist
+Across nodes (`twolevel.memory.nodes`): each node has its own shared memory and its own persist
 process, run by its leader (local rank 0); every node writes its ranks' files and node
 0's process commits the manifest once every node's part is on storage
-(`twolevel.commit`). After each snapshot, every rank also sends it (all experts, or
+(`twolevel.persist.commit`). After each snapshot, every rank also sends it (all experts, or
 K_replica per layer) to the memory of the node `replica_jump` nodes on
-(`twolevel.replica`), on the snapshot thread, over its own gloo group: losing a node
+(`twolevel.replicas.replica`), on the snapshot thread, over its own gloo group: losing a node
 then loses nothing.
 
-Recovery (`twolevel.memory_restore`): the ranks agree on the newest step every rank can
+Recovery (`twolevel.recovery.memory`): the ranks agree on the newest step every rank can
 restore, each from its own node's memory when its snapshot there is complete and its
 checksums hold, else from a copy in another node's memory (its peer replica), else from
 storage ("memory", "peer", "mixed"); with no such step, from storage alone ("storage").
@@ -56,7 +56,7 @@ in flight, owned by the caller's thread, and the one snapshot being taken):
     SnapshotPlanner  the exchange and the plan (`snapshot_plan`, a pure function)
 
 With `optimizer=None` the constructor returns the model-only engine instead, a reader of
-storage (`twolevel.reader.StorageReader`).
+storage (`twolevel.recovery.reader.StorageReader`).
 """
 
 from __future__ import annotations
@@ -82,20 +82,20 @@ from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.routing import EngineRouting
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.twolevel.capture import capture_mode
-from moc.checkpoint.twolevel.copies import PREFER
 from moc.checkpoint.twolevel.engine_state import EngineState
-from moc.checkpoint.twolevel.executor import PersistExecutor
-from moc.checkpoint.twolevel.hooks import OptimizerHooks
-from moc.checkpoint.twolevel.jobdir import default_job_id, job_dir, remove_job
-from moc.checkpoint.twolevel.nodes import NodeLayout
+from moc.checkpoint.twolevel.memory.jobdir import default_job_id, job_dir, remove_job
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.persist.executor import PersistExecutor
 from moc.checkpoint.twolevel.planner import PlanConfig, SnapshotPlanner
-from moc.checkpoint.twolevel.reader import StorageReader
+from moc.checkpoint.twolevel.recovery.copies import PREFER
+from moc.checkpoint.twolevel.recovery.reader import StorageReader
 from moc.checkpoint.twolevel.restore import restore_engine
 from moc.checkpoint.twolevel.results import Checkpoints
-from moc.checkpoint.twolevel.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
+from moc.checkpoint.twolevel.snapshot.capture import capture_mode
+from moc.checkpoint.twolevel.snapshot.hooks import OptimizerHooks
+from moc.checkpoint.twolevel.snapshot.sizing import AutoSnapshotK, parse_k_replica, parse_k_snapshot
+from moc.checkpoint.twolevel.snapshot.worker import background_priority
 from moc.checkpoint.twolevel.snapshotter import Snapshotter, remove_unless_needed
-from moc.checkpoint.twolevel.worker import background_priority
 from moc.topology import ParallelGroups
 
 PERSIST_POLICIES = ("skip", "wait")
@@ -132,10 +132,10 @@ class TwoLevelCheckpointer(EngineRouting, CheckpointEngine):
     i keeps node i - jump's replicas; default 1) and `replica_rate` (bytes/s a rank may
     send, None: unlimited); the directory must then be storage every node sees.
     `prefer`: "exact" (an older step exact on every rank before a newer partial one,
-    `twolevel.copies`) or "newest".
+    `twolevel.recovery.copies`) or "newest".
 
     With `optimizer=None` (model-only: restore for inference, never save) the
-    constructor returns a `twolevel.reader.StorageReader`, which leaves the training
+    constructor returns a `twolevel.recovery.reader.StorageReader`, which leaves the training
     job's memory and persist process alone.
     """
 

@@ -32,8 +32,8 @@ from moc.checkpoint.failures import CheckpointFailedError, FailurePolicy
 from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.twolevel.protocol import MAX_RESTARTS
-from moc.checkpoint.twolevel.slots import N_SLOTS
+from moc.checkpoint.twolevel.memory.slots import N_SLOTS
+from moc.checkpoint.twolevel.persist.protocol import MAX_RESTARTS
 
 
 class EngineState:

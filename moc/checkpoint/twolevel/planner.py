@@ -16,7 +16,7 @@ channel that broke, an error of rank 0's retention. Each is then applied on ever
 alike (`EngineState.settle`, `.fail`), and raised on the caller's thread by the engine.
 
 A dead persist process (or one its leader's watch found stopped or hung, and killed:
-`twolevel.watch`): rank 0 notices it before the exchange, reports the persist it lost as
+`twolevel.persist.watch`): rank 0 notices it before the exchange, reports the persist it lost as
 failed and starts a new one (`PersistExecutor.revive`); this plan persists its checkpoint
 on the new one, so storage is current again at its commit; the exchange carries the
 new process's generation, and every other rank reconnects to it right after, before this
@@ -41,19 +41,19 @@ from moc.checkpoint.state import RankState, TakenAtSave
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import MANIFEST, step_dir
 from moc.checkpoint.twolevel.engine_state import EngineState
-from moc.checkpoint.twolevel.executor import PersistExecutor, PersistRequest
-from moc.checkpoint.twolevel.lag import StorageLag
-from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Done
-from moc.checkpoint.twolevel.replica import ReplicaChannel
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.persist.executor import PersistExecutor, PersistRequest
+from moc.checkpoint.twolevel.persist.lag import StorageLag
+from moc.checkpoint.twolevel.persist.protocol import PERSIST_GONE, Done
+from moc.checkpoint.twolevel.replicas.replica import ReplicaChannel
+from moc.checkpoint.twolevel.snapshot.state_cache import FlatState
+from moc.checkpoint.twolevel.snapshot.worker import SnapshotJob
 from moc.checkpoint.twolevel.snapshot_plan import (
     PlanConfig,
     PlanInputs,
     PlanOutcome,
     plan_snapshot,
 )
-from moc.checkpoint.twolevel.state_cache import FlatState
-from moc.checkpoint.twolevel.worker import SnapshotJob
 from moc.topology import ParallelGroups
 
 __all__ = ["PlanConfig", "PlanOutcome", "SnapshotPlanner"]
@@ -75,9 +75,9 @@ class SnapshotPlanner:
         sending replicas at the same round, none waits for a peer that stopped."""
         self.lock = threading.Lock()
         self.flat = FlatState(state)
-        """The flattened state, its layout kept between plans (`twolevel.state_cache`)."""
+        """The flattened state, its layout kept between plans (`twolevel.snapshot.state_cache`)."""
         self.lag = StorageLag(groups.rank)
-        """How far storage is behind, reported with every checkpoint (`twolevel.lag`)."""
+        """How far storage is behind, reported with every checkpoint (`twolevel.persist.lag`)."""
 
     def forget_layout(self) -> None:
         """Drop the flattened state's kept layout (after a restore replaced the

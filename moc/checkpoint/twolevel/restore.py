@@ -10,7 +10,7 @@ from moc.checkpoint.parts import EngineParts
 from moc.checkpoint.recovery import resume_from_storage, roll_back, warn_interrupted_commits
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.engine_state import EngineState
-from moc.checkpoint.twolevel.memory_restore import MemoryQuery, restore_from_memory
+from moc.checkpoint.twolevel.recovery.memory import MemoryQuery, restore_from_memory
 from moc.checkpoint.twolevel.snapshotter import Snapshotter
 
 

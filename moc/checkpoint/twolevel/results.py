@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from moc.checkpoint.api import CheckpointResult
 from moc.checkpoint.phases import Phases
+from moc.checkpoint.twolevel.persist.protocol import Done
 from moc.checkpoint.twolevel.planner import PlanOutcome
-from moc.checkpoint.twolevel.protocol import Done
-from moc.checkpoint.twolevel.replica import ReplicaReport
-from moc.checkpoint.twolevel.sizing import SnapshotTiming
-from moc.checkpoint.twolevel.worker import SnapshotHandle
+from moc.checkpoint.twolevel.replicas.replica import ReplicaReport
+from moc.checkpoint.twolevel.snapshot.sizing import SnapshotTiming
+from moc.checkpoint.twolevel.snapshot.worker import SnapshotHandle
 
 log = logging.getLogger(__name__)
 

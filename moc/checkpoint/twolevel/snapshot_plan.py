@@ -22,12 +22,12 @@ from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.plan.units import rank_share
 from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.state import RankState
-from moc.checkpoint.twolevel.lag import LagReport
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.protocol import Done
-from moc.checkpoint.twolevel.sizing import snapshot_experts, snapshot_index
-from moc.checkpoint.twolevel.snapshot_tensors import SnapshotTensors
-from moc.checkpoint.twolevel.state_cache import Flat
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.persist.lag import LagReport
+from moc.checkpoint.twolevel.persist.protocol import Done
+from moc.checkpoint.twolevel.snapshot.sizing import snapshot_experts, snapshot_index
+from moc.checkpoint.twolevel.snapshot.state_cache import Flat
+from moc.checkpoint.twolevel.snapshot.tensors import SnapshotTensors
 from moc.topology import ParallelGroups
 
 
@@ -48,7 +48,7 @@ class PlanConfig:
     """Which ranks share a node (None: one node); each node's leader speaks for its
     persist process."""
     nonce: str = ""
-    """This job's mark on the records of a commit across nodes (`twolevel.commit`)."""
+    """This job's mark on the records of a commit across nodes (`twolevel.persist.commit`)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class PlanOutcome:
     persist: Future[Done] | None = None
     """The outcome of its persist (None: not persisted)."""
     lag: LagReport | None = None
-    """How far storage was behind at the plan (`twolevel.lag`)."""
+    """How far storage was behind at the plan (`twolevel.persist.lag`)."""
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,16 @@ from moc.checkpoint.plan.chain import ChainState
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.storage import Storage
-from moc.checkpoint.twolevel.capture import copier_for
-from moc.checkpoint.twolevel.copies import Peers, invalidate_node
-from moc.checkpoint.twolevel.jobdir import job_dir, remove_job
-from moc.checkpoint.twolevel.native import default_threads
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.places import slot_layout
-from moc.checkpoint.twolevel.replica import ReplicaChannel
-from moc.checkpoint.twolevel.replication import Replication
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
-from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
+from moc.checkpoint.twolevel.memory.jobdir import job_dir, remove_job
+from moc.checkpoint.twolevel.memory.native import default_threads
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.memory.places import slot_layout
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.recovery.copies import Peers, invalidate_node
+from moc.checkpoint.twolevel.replicas.replica import ReplicaChannel
+from moc.checkpoint.twolevel.replicas.replication import Replication
+from moc.checkpoint.twolevel.snapshot.capture import copier_for
+from moc.checkpoint.twolevel.snapshot.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
 
 log = logging.getLogger(__name__)
 

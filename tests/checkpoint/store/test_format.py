@@ -54,6 +54,7 @@ def test_truncated_file_is_detected(tmp_path):
 def test_write_all_writes_every_byte_in_order_through_short_writes(tmp_path, monkeypatch):
     """The kernel may take fewer bytes than a writev offers (a signal, a full pipe, a
     quota): the rest, from the middle of a buffer, must follow, in order."""
+    from moc.checkpoint.store import disk
     from moc.checkpoint.store import format as fmt
 
     real = os.writev
@@ -63,7 +64,7 @@ def test_write_all_writes_every_byte_in_order_through_short_writes(tmp_path, mon
         return real(fd, [first])
 
     monkeypatch.setattr(fmt.os, "writev", short)
-    monkeypatch.setattr(fmt, "WRITE_BUFFERS", 3)
+    monkeypatch.setattr(disk, "WRITE_BUFFERS", 3)  # where write_all reads it
     chunks = [b"header", memoryview(bytes(range(50))), b"", b"x" * 23, memoryview(b"tail")]
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.twolevel.capture import CAPTURE_ENV, SEAL_STALL_ENV, HostCopy
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import default_job_id
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory.jobdir import default_job_id
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.snapshot.capture import CAPTURE_ENV, SEAL_STALL_ENV, HostCopy
 from tests.checkpoint.twolevel.test_consistency import _assert_same, _build, _state, _step
 
 pytestmark = pytest.mark.integration  # real persist processes, a real SIGKILL

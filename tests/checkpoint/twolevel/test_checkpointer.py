@@ -16,8 +16,8 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps, step_dir
 from moc.checkpoint.tools import verify_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import job_dir
-from moc.checkpoint.twolevel.protocol import PERSIST_GONE
+from moc.checkpoint.twolevel.memory.jobdir import job_dir
+from moc.checkpoint.twolevel.persist.protocol import PERSIST_GONE
 from moc.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
@@ -150,7 +150,7 @@ def test_a_killed_persist_process_is_restarted_and_the_chain_goes_on(tmp_path):
 
 def test_a_persist_process_that_cannot_be_restarted_fails_the_job_but_keeps_memory(
         tmp_path, monkeypatch):
-    monkeypatch.setattr("moc.checkpoint.twolevel.persist.MAX_RESTARTS", 0)
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.MAX_RESTARTS", 0)
     root = tmp_path / "ckpt"
     model, opt = _build(0)
     # max_failures=None: training may go on with memory snapshots (by default, three
@@ -175,7 +175,7 @@ def test_a_persist_process_that_cannot_be_restarted_fails_the_job_but_keeps_memo
 
 def test_by_default_checkpoints_stuck_in_memory_stop_the_run_after_max_failures(
         tmp_path, monkeypatch):
-    monkeypatch.setattr("moc.checkpoint.twolevel.persist.MAX_RESTARTS", 0)
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.MAX_RESTARTS", 0)
     model, opt = _build(0)
     ckpt = TwoLevelCheckpointer(model, opt, tmp_path / "ckpt", interval=1,
                                 persist_policy="wait")
@@ -223,7 +223,7 @@ def test_a_partial_snapshot_restores_each_expert_from_its_newest_copy(tmp_path):
 
 
 def test_auto_k_snapshot_measures_the_first_copies_and_keeps_the_best(tmp_path, monkeypatch):
-    from moc.checkpoint.twolevel import sizing as module
+    from moc.checkpoint.twolevel.snapshot import sizing as module
     choose_k = module.choose_k
 
     measured = []
@@ -333,7 +333,7 @@ def test_a_failed_seal_is_raised_once_and_the_chain_goes_on(tmp_path, monkeypatc
     the capture waits for the header, and `wait_for_snapshot` raises. Its persist is
     abandoned, the slot is no recovery source, and later checkpoints go on."""
     from moc.checkpoint.errors import CheckpointError
-    from moc.checkpoint.twolevel.capture import CAPTURE_ENV
+    from moc.checkpoint.twolevel.snapshot.capture import CAPTURE_ENV
 
     monkeypatch.setenv(CAPTURE_ENV, capture)
     root = tmp_path / "ckpt"

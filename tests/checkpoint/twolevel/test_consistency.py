@@ -17,8 +17,8 @@ import torch.optim.optimizer as optimizer_hooks
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.policy.selection import PECPolicy
-from moc.checkpoint.twolevel import native
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.checkpoint.twolevel.memory import native
 from moc.model import ModelConfig, Transformer
 from tests.checkpoint.twolevel.test_checkpointer import _train
 

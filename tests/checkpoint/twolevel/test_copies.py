@@ -3,7 +3,7 @@ the exact copy wins (issue 47). Pure: what the ranks learned is given as they ga
 
 from __future__ import annotations
 
-from moc.checkpoint.twolevel.copies import KnownCopies
+from moc.checkpoint.twolevel.recovery.copies import KnownCopies
 
 W = "seg"  # the segment that wrote every version here
 FULL, PART = 8, 2  # expert weight keys: a rank's all, and a partial copy's

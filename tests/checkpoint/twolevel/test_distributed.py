@@ -14,7 +14,7 @@ from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import OWNER, default_job_id, job_dir
+from moc.checkpoint.twolevel.memory.jobdir import OWNER, default_job_id, job_dir
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
 
@@ -188,7 +188,7 @@ def test_a_flipped_bit_in_the_newest_snapshot_restores_the_exact_step_before(tmp
     import os
 
     from moc.checkpoint.store.steps import complete_steps
-    from moc.checkpoint.twolevel.slots import SnapshotStore
+    from moc.checkpoint.twolevel.memory.slots import SnapshotStore
 
     root = tmp_path / "ckpt"
     at_3 = [r[3] for r in run_ranks(_train_then_crash, 2, str(root))]

@@ -17,7 +17,7 @@ from moc.checkpoint.policy.tokens import TokenLedger
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.engine_state import EngineState
-from moc.checkpoint.twolevel.slots import N_SLOTS
+from moc.checkpoint.twolevel.memory.slots import N_SLOTS
 from moc.model import Transformer
 from tests.distributed import TINY, build_sharded, run_ranks
 

@@ -13,8 +13,7 @@ import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId
-from moc.checkpoint.twolevel.capture import write_snapshot
-from moc.checkpoint.twolevel.jobdir import (
+from moc.checkpoint.twolevel.memory.jobdir import (
     GONE,
     GRACE_ENV,
     GRACE_S,
@@ -24,7 +23,8 @@ from moc.checkpoint.twolevel.jobdir import (
     job_dir,
     remove_stale_jobs,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.snapshot.capture import write_snapshot
 from tests.fs import tmpfs
 from tests.procs import dead_pid
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.capture import write_snapshot
-from moc.checkpoint.twolevel.memory_restore import _memory_reader
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.recovery.memory import _memory_reader
+from moc.checkpoint.twolevel.snapshot.capture import write_snapshot
 
 
 def _snapshots(store: SnapshotStore) -> dict[str, dict[int, torch.Tensor]]:

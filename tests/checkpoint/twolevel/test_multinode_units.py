@@ -1,6 +1,6 @@
 """The pure parts of two-level checkpointing across nodes: which ranks share a node and
-where replicas go (`twolevel.nodes`), the storage records of one commit across nodes
-(`twolevel.commit`), K_replica and the recovery source's name."""
+where replicas go (`twolevel.memory.nodes`), the storage records of one commit across nodes
+(`twolevel.persist.commit`), K_replica and the recovery source's name."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from moc.checkpoint.store.manifest import Entry
 from moc.checkpoint.store.storage import open_storage
-from moc.checkpoint.twolevel.commit import (
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.persist.commit import (
     BEGIN,
     Abandoned,
     clear_records,
@@ -20,9 +21,8 @@ from moc.checkpoint.twolevel.commit import (
     write_begin,
     write_part,
 )
-from moc.checkpoint.twolevel.memory_restore import overall_source
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.sizing import parse_k_replica
+from moc.checkpoint.twolevel.recovery.memory import overall_source
+from moc.checkpoint.twolevel.snapshot.sizing import parse_k_replica
 
 
 def test_ranks_are_cut_into_nodes_and_replicas_go_jump_nodes_on():

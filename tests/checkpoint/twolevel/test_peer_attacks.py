@@ -23,7 +23,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import default_job_id
+from moc.checkpoint.twolevel.memory.jobdir import default_job_id
 from moc.parallel import clip_grad_norm_, sync_gradients
 from tests.distributed import build_sharded, run_ranks
 

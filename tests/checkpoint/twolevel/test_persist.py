@@ -18,16 +18,12 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.tools import verify_checkpoints
-from moc.checkpoint.twolevel.capture import write_snapshot
-from moc.checkpoint.twolevel.jobdir import claim_job, job_dir, read_owner
-from moc.checkpoint.twolevel.persist import (
-    PersistClient,
-    read_secret,
-    secret_path,
-    socket_path,
-)
-from moc.checkpoint.twolevel.protocol import PERSIST_GONE, Failed, Persist, Ready
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory.jobdir import claim_job, job_dir, read_owner
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.persist.channel import read_secret, secret_path, socket_path
+from moc.checkpoint.twolevel.persist.client import PersistClient
+from moc.checkpoint.twolevel.persist.protocol import PERSIST_GONE, Failed, Persist, Ready
+from moc.checkpoint.twolevel.snapshot.capture import write_snapshot
 from tests.fs import fill, tmpfs
 
 JOB = "persist-test"
@@ -181,7 +177,7 @@ def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, mon
     monkeypatch.setenv("PYTHONPATH", _broken_torch(
         tmp_path, f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
                   "time.sleep(600)\n"))
-    monkeypatch.setattr("moc.checkpoint.twolevel.persist.CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.CONNECT_TIMEOUT_S", 2.0)
     with pytest.raises(CheckpointError, match=r"no persist process answered on .* within 2 s"):
         PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
     with pytest.raises(ProcessLookupError):
@@ -193,8 +189,7 @@ def test_a_full_disk_names_the_file_and_the_bytes(tmp_path):
     the direct writer's path): the error says which file, how many bytes and what to
     do, not only `[Errno 28]`; and a write that failed for space is no reason to stop
     writing with O_DIRECT."""
-    from moc.checkpoint.twolevel import persist
-
+    from moc.checkpoint.twolevel.persist import server as persist
     claim_job(JOB)
     state = _snapshot(0, 5, 0)
     ready = {0: Ready(0, 5, 0, list(state), list(state))}

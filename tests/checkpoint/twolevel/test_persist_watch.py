@@ -22,10 +22,10 @@ import torch
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.tools import verify_checkpoints
-from moc.checkpoint.twolevel import watch as watch_module
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.lag import LAG_CHECKPOINTS, StorageLag
-from moc.checkpoint.twolevel.watch import (
+from moc.checkpoint.twolevel.persist import watch as watch_module
+from moc.checkpoint.twolevel.persist.lag import LAG_CHECKPOINTS, StorageLag
+from moc.checkpoint.twolevel.persist.watch import (
     HANG_FACTOR,
     HANG_FLOOR_S,
     STOPPED_S,
@@ -111,7 +111,7 @@ def test_process_state_reads_the_kernels_letter():
 def test_storage_lag_counts_skips_warns_on_the_first_and_when_far_behind(caplog):
     clock = Clock()
     lag = StorageLag(rank=0, clock=clock)
-    caplog.set_level(logging.INFO, logger="moc.checkpoint.twolevel.lag")
+    caplog.set_level(logging.INFO, logger="moc.checkpoint.twolevel.persist.lag")
     r = lag.planned(10, persisted=True, storage_step=5, in_flight=None, alive=True)
     assert (r.skipped_in_row, r.storage_step, r.behind_steps, r.behind_checkpoints,
             r.behind_s) == (0, 5, 5, 1, 0.0)

@@ -17,25 +17,23 @@ import torch
 import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.capture import write_snapshot
-from moc.checkpoint.twolevel.jobdir import remove_job
-from moc.checkpoint.twolevel.places import slot_layout
-from moc.checkpoint.twolevel.replica import (
-    REPLICA_SLOTS,
-    ReplicaStore,
-    _Incoming,
-    _Outgoing,
-    exchange_replicas,
-    receive_replica,
-    replica_keys,
-    send_replica,
-)
-from moc.checkpoint.twolevel.slots import (
+from moc.checkpoint.twolevel.memory.jobdir import remove_job
+from moc.checkpoint.twolevel.memory.places import slot_layout
+from moc.checkpoint.twolevel.memory.slots import (
     SlotEntry,
     SnapshotHeader,
     SnapshotStore,
     slot_capacity,
 )
+from moc.checkpoint.twolevel.replicas.replica import REPLICA_SLOTS, ReplicaStore, replica_keys
+from moc.checkpoint.twolevel.replicas.wire import (
+    _Incoming,
+    _Outgoing,
+    exchange_replicas,
+    receive_replica,
+    send_replica,
+)
+from moc.checkpoint.twolevel.snapshot.capture import write_snapshot
 from tests.distributed import _entry, free_port, rank_process, run_ranks
 
 JOB = "job"

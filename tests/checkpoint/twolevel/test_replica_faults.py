@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moc.checkpoint.twolevel.capture import write_snapshot
-from moc.checkpoint.twolevel.replica import (
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore, slot_capacity
+from moc.checkpoint.twolevel.replicas.replica import (
     ReplicaChannel,
     ReplicaChannelBroken,
     ReplicaStore,
-    exchange_replicas,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore, slot_capacity
+from moc.checkpoint.twolevel.replicas.wire import exchange_replicas
+from moc.checkpoint.twolevel.snapshot.capture import write_snapshot
 from tests.distributed import _entry, free_port, rank_process, run_ranks
 from tests.fs import tmpfs
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moc.checkpoint.twolevel.sizing import choose_k, parse_k_snapshot, snapshot_experts
-from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader
+from moc.checkpoint.twolevel.memory.slots import SlotEntry, SnapshotHeader
+from moc.checkpoint.twolevel.snapshot.sizing import choose_k, parse_k_snapshot, snapshot_experts
 
 N, LAYERS = 8, 2
 

@@ -20,10 +20,10 @@ from moc.checkpoint import liveness
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.twolevel import native, places, slots
-from moc.checkpoint.twolevel.capture import HostCopy, capture, seal, write_snapshot
-from moc.checkpoint.twolevel.jobdir import OWNER, claim_job, job_dir, remove_stale_jobs
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory import native, places, slots
+from moc.checkpoint.twolevel.memory.jobdir import OWNER, claim_job, job_dir, remove_stale_jobs
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.snapshot.capture import HostCopy, capture, seal, write_snapshot
 from tests.fs import fill, tmpfs
 from tests.procs import UNSHARE_PIDS, can_unshare_pids, dead_pid
 
@@ -164,7 +164,7 @@ def test_an_owner_that_exited_unreaped_is_gone():
 
 HOLD_JOB = """
 import sys, time
-from moc.checkpoint.twolevel.jobdir import claim_job
+from moc.checkpoint.twolevel.memory.jobdir import claim_job
 claim_job(sys.argv[1])
 print("claimed", flush=True)
 time.sleep(120)
@@ -173,7 +173,7 @@ time.sleep(120)
 CLAIM = """
 import sys
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.jobdir import claim_job, remove_stale_jobs
+from moc.checkpoint.twolevel.memory.jobdir import claim_job, remove_stale_jobs
 print("removed", [p.name for p in remove_stale_jobs(keep=sys.argv[1])])
 try:
     claim_job(sys.argv[1])
@@ -394,8 +394,7 @@ def test_the_native_copies_write_exactly_the_bytes_the_python_copy_writes(monkey
 def test_the_streaming_copy_refuses_buffers_it_cannot_copy_exactly():
     """Lengths that differ, a read-only destination, a strided buffer: each is refused
     with what was expected, never copied in part."""
-    from moc.checkpoint.twolevel import streamcopy
-
+    from moc.checkpoint.twolevel.memory import streamcopy
     dst, src = bytearray(10), bytes(range(10))
     with pytest.raises(ValueError, match="dst is 9 bytes but src is 10"):
         streamcopy.copy(memoryview(dst)[:9], src)
@@ -415,7 +414,7 @@ def test_the_streaming_copy_is_built_where_it_can_be():
     """setup.py builds the extension as optional, so a failed build would silently fall
     back to numpy's copy: where a compiler is there, the build must have worked."""
     assert native.STREAMING and native.BATCHED, (
-        "moc.checkpoint.twolevel.streamcopy did not build: run "
+        "moc.checkpoint.twolevel.memory.streamcopy did not build: run "
                              "`pip install -e .` and read its compiler errors")
 
 
@@ -455,9 +454,9 @@ def test_a_failed_reservation_leaves_no_sparse_slot_and_a_later_one_with_room_wo
 WRITE_SNAPSHOT = """
 import sys, torch
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel import native
-from moc.checkpoint.twolevel.capture import HostCopy, capture, seal, write_snapshot
-from moc.checkpoint.twolevel.slots import SnapshotStore
+from moc.checkpoint.twolevel.memory import native
+from moc.checkpoint.twolevel.snapshot.capture import HostCopy, capture, seal, write_snapshot
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
 try:
     write_snapshot(SnapshotStore("job", 0), 0, 1, {"w": torch.ones(int(sys.argv[1]))}, {})
 except CheckpointError as e:

@@ -1,4 +1,4 @@
-"""The snapshot's cached layout (`twolevel.state_cache`): made once, checked at every
+"""The snapshot's cached layout (`twolevel.snapshot.state_cache`): made once, checked at every
 snapshot, made anew whenever what it was made of is replaced (a restore, a
 `load_state_dict`, state the first step creates, a group added, a parameter's memory
 swapped, another selection of experts), so that a snapshot never copies a stale tensor:
@@ -17,12 +17,12 @@ import torch
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.twolevel import state_cache
-from moc.checkpoint.twolevel.capture import HostCopy, capture, seal
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.places import SlotLayout
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
-from moc.checkpoint.twolevel.snapshot_tensors import Picked, SnapshotTensors
+from moc.checkpoint.twolevel.memory.places import SlotLayout
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.snapshot import state_cache
+from moc.checkpoint.twolevel.snapshot.capture import HostCopy, capture, seal
+from moc.checkpoint.twolevel.snapshot.tensors import Picked, SnapshotTensors
 from moc.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.integration  # real persist processes

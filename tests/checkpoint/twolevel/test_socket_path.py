@@ -8,8 +8,8 @@ import pytest
 
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import job_dir
-from moc.checkpoint.twolevel.persist import SUN_PATH_MAX, socket_path
+from moc.checkpoint.twolevel.memory.jobdir import job_dir
+from moc.checkpoint.twolevel.persist.channel import SUN_PATH_MAX, socket_path
 from tests.checkpoint.twolevel.test_consistency import _build, _step
 
 pytestmark = pytest.mark.integration  # a real persist process

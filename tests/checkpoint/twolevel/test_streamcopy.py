@@ -1,4 +1,4 @@
-"""moc's C extension (moc/checkpoint/twolevel/streamcopy.c, xxh3.h): hash_many,
+"""moc's C extension (moc/checkpoint/twolevel/memory/streamcopy.c, xxh3.h): hash_many,
 copy_many and copy_hash_many. The digests are the checkpoint format's checksums, so each
 must equal the xxhash package's xxh3_64_intdigest bit for bit: for every XXH3 size class
 (0, 1-3, 4-8, 9-16, 17-128, 129-240, over 240 in stripes and blocks), around the stripe,
@@ -14,7 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-streamcopy = pytest.importorskip("moc.checkpoint.twolevel.streamcopy")
+streamcopy = pytest.importorskip("moc.checkpoint.twolevel.memory.streamcopy")
 
 KERNELS = streamcopy.XXH3_KERNELS
 THREADS = [1, 2, 3, 4]

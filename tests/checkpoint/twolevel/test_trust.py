@@ -12,7 +12,7 @@ from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.tools import inspect_checkpoints
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
-from moc.checkpoint.twolevel.jobdir import job_dir
+from moc.checkpoint.twolevel.memory.jobdir import job_dir
 from moc.model import ModelConfig, Transformer
 from tests.checkpoint.twolevel.test_checkpointer import _train
 from tests.fs import fill, tmpfs

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from moc.checkpoint.errors import CheckpointError
-from moc.checkpoint.twolevel.capture import HostCopy
-from moc.checkpoint.twolevel.slots import SnapshotStore
-from moc.checkpoint.twolevel.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.snapshot.capture import HostCopy
+from moc.checkpoint.twolevel.snapshot.worker import SnapshotHandle, SnapshotJob, SnapshotWorker
 
 
 def test_the_copy_runs_in_the_background_and_errors_surface_on_wait():
@@ -85,7 +85,7 @@ def test_a_process_leaving_does_not_wait_for_the_snapshot_thread(tmp_path):
     import sys
 
     code = ("import threading, time\n"
-            "from moc.checkpoint.twolevel.worker import SnapshotWorker\n"
+            "from moc.checkpoint.twolevel.snapshot.worker import SnapshotWorker\n"
             "worker = SnapshotWorker()\n"
             "started = threading.Event()\n"
             "worker.submit(lambda: (started.set(), time.sleep(3600)))\n"

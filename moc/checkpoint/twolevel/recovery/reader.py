@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from moc.checkpoint.sync import Checkpointer
-from moc.checkpoint.twolevel.jobdir import default_job_id
+from moc.checkpoint.twolevel.memory.jobdir import default_job_id
 
 
 class StorageReader(Checkpointer):

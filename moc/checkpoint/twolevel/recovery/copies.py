@@ -23,10 +23,10 @@ from typing import Any
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.twolevel.jobdir import job_dir
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.replica import ReplicaStore
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.memory.jobdir import job_dir
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.replicas.replica import ReplicaStore
 
 Version = tuple[int, str]
 """One checkpoint of one line of training: (step, the id of the segment that wrote it,

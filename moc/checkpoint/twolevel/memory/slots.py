@@ -13,13 +13,13 @@ holds a complete snapshot, and a process killed at any moment in between leaves 
 previous sealed snapshot, in another slot, as the newest one.
 
 This module owns the slots alone: their files, mappings, views, pinning and headers.
-Filling them is the capture's (`twolevel.capture`: the copies, then the seal), run by the
-snapshot thread (`twolevel.worker`). The files live in shared memory, not in a process:
+Filling them is the capture's (`twolevel.snapshot.capture`: the copies, then the seal), run by the
+snapshot thread (`twolevel.snapshot.worker`). The files live in shared memory, not in a process:
 they survive the crash of the training process that wrote them, and a restarted rank
 reads them back. They are reserved, faulted in and (for a GPU) pinned once, before the
 first snapshot that needs them (`prepare`), and mapped once: no allocation, page fault or
 registration per checkpoint once warm. The job's directory and its trust rules:
-`twolevel.jobdir`.
+`twolevel.memory.jobdir`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.format import CHECKSUM
-from moc.checkpoint.twolevel.jobdir import (
+from moc.checkpoint.twolevel.memory.jobdir import (
     job_dir,
     reserve,
     secure_dir,
     secure_job_dir,
     write_private,
 )
-from moc.checkpoint.twolevel.native import digests
-from moc.checkpoint.twolevel.places import (
+from moc.checkpoint.twolevel.memory.native import digests
+from moc.checkpoint.twolevel.memory.places import (
     ALIGN,
     DTYPE_NAMES,
     SlotLayout,
@@ -130,7 +130,7 @@ class SnapshotStore:
                  pin: torch.device | None = None) -> None:
         """`n_slots` and `name` (the directory under the job's, default `rank-<r>`) let
         other holders of snapshots reuse the slot discipline: a peer's replicas
-        (`twolevel.replica.ReplicaStore`). `pin`: the CUDA device whose copies fill the
+        (`twolevel.replicas.replica.ReplicaStore`). `pin`: the CUDA device whose copies fill the
         slots; every slot mapped for writing is registered with it as pinned memory, so
         that device-to-host copies into it are asynchronous DMA at the copy engine's
         speed (55 GB/s on an H200, against 13 for pageable memory)."""

@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from moc.checkpoint.twolevel.protocol import PERSIST_TIMEOUT_S
+from moc.checkpoint.twolevel.persist.protocol import PERSIST_TIMEOUT_S
 
 STOPPED_S = 5.0
 """How long a persist process may be seen stopped before it is killed. A SIGSTOP and

@@ -25,10 +25,10 @@ import subprocess
 import sys
 from typing import Any
 
-PERSIST = "moc.checkpoint.twolevel.persist"
+PERSIST = "moc.checkpoint.twolevel.persist.server"
 """The persist process's module, named (it imports this one)."""
 _waiting: list[Any] = []
-"""subprocess.Popen, or moc.checkpoint.twolevel.forking.Forked."""
+"""subprocess.Popen, or moc.checkpoint.twolevel.persist.forking.Forked."""
 
 
 def spawn() -> subprocess.Popen:
@@ -93,7 +93,7 @@ def serving() -> None:
 def _fork() -> Any:
     import importlib
 
-    from moc.checkpoint.twolevel.forking import fork
+    from moc.checkpoint.twolevel.persist.forking import fork
 
     # By name, as `spawn`'s command line names it: persist imports this module.
     return fork(lambda: importlib.import_module(PERSIST).serve_on(), stdin=True,

@@ -2,14 +2,11 @@
 
 A separate process, not a thread of a training process: writing hundreds of MB and
 checksumming them would otherwise contend for the GIL with training. The messages it
-exchanges with the ranks, and why they cannot carry code, are in `twolevel.protocol`.
+exchanges with the ranks, and why they cannot carry code, are in `twolevel.persist.protocol`.
 
-    serve_on()                     the persist process (server): what to serve, and its
-                                   secret, on stdin (`twolevel.prestart` starts one ahead)
-    PersistClient                  a training rank's end: the process (rank 0 starts it,
-                                   and restarts it when it dies), the connection (every
-                                   rank reconnects to a restarted one), liveness (a stopped
-                                   or hung process is killed: `twolevel.watch`)
+    serve_on()      the persist process's entry point: what to serve, and its secret,
+                    on stdin (`twolevel.persist.prestart` starts one ahead); a rank's
+                    end is `twolevel.persist.client`
 
 For a persist request of step s the process waits until every rank of the node has
 reported its snapshot of s complete, writes each rank's file straight from the shared
@@ -25,7 +22,7 @@ that fails the challenge, or sends a frame that is not a protocol message, is dr
 and the process goes on serving the others.
 
 Each node runs one, started by its leader (local rank 0) for the node's ranks; node 0's
-process commits the manifest once every node's part is on storage (`twolevel.commit`:
+process commits the manifest once every node's part is on storage (`twolevel.persist.commit`:
 records on the shared storage, no connection between the nodes' processes).
 """
 
@@ -35,22 +32,18 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from queue import Empty, Queue
 
 from moc.checkpoint import codec
-from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import DirectWriter, write_safetensors
@@ -60,8 +53,10 @@ from moc.checkpoint.store.steps import (
 )
 from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.store.tidy import tidy
-from moc.checkpoint.twolevel import prestart
-from moc.checkpoint.twolevel.commit import (
+from moc.checkpoint.twolevel.memory.jobdir import secure_job_dir
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.persist.channel import socket_path
+from moc.checkpoint.twolevel.persist.commit import (
     Abandoned,
     clear_records,
     gather_parts,
@@ -69,15 +64,9 @@ from moc.checkpoint.twolevel.commit import (
     write_begin,
     write_part,
 )
-from moc.checkpoint.twolevel.jobdir import secure_job_dir, write_private
-from moc.checkpoint.twolevel.protocol import (
-    MAX_DONE_BYTES,
+from moc.checkpoint.twolevel.persist.protocol import (
     MAX_MESSAGE_BYTES,
-    MAX_RESTARTS,
-    PERSIST_GONE,
-    PERSIST_KILLED,
     PERSIST_TIMEOUT_S,
-    SECRET_BYTES,
     Abandon,
     Done,
     Failed,
@@ -86,8 +75,6 @@ from moc.checkpoint.twolevel.protocol import (
     Ready,
     Stop,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore
-from moc.checkpoint.twolevel.watch import LOOK_S, PersistWatch, process_state
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -96,334 +83,8 @@ once). At 5 ms the idle loop alone cost 0.02 CPU seconds per second (issue 15)."
 STALL_ENV = "MOC_PERSIST_STALL_S"
 """Fault injection for tests and drills: the persist process sleeps this long before
 each persist, as a slow or stalled disk would make it."""
-CONNECT_TIMEOUT_S = 60.0
-"""How long a rank waits for its node's persist process to listen (it starts in about a
-second: a fresh interpreter importing torch). Rank 0 stops waiting as soon as the
-process exits."""
-STOP_TIMEOUT_S = 60.0
-"""How long close() lets the persist process finish and exit before killing it (a
-stopped one is killed at once: it can neither finish nor exit)."""
 _MESSAGES = (Hello, Ready, Failed, Persist, Abandon, Stop, Done)
 
-
-SUN_PATH_MAX = 107
-"""The longest path a Unix socket's address holds (`sun_path`: 108 bytes, NUL included)."""
-_dir_fds: dict[str, int] = {}
-
-
-def socket_path(jdir: Path) -> str:
-    """The job's socket, `<job dir>/persist.sock`, or, when that path is too long for a
-    socket address (a deep job directory: "AF_UNIX path too long"), the same file
-    reached through a descriptor of the job directory that this process keeps open,
-    `/proc/self/fd/<n>/persist.sock`, which Linux resolves for bind and connect alike."""
-    path = str(jdir / "persist.sock")
-    if len(os.fsencode(path)) <= SUN_PATH_MAX or not os.path.isdir("/proc/self/fd"):
-        return path
-    fd = _dir_fds.get(str(jdir))
-    if fd is not None:  # still that directory? (a job directory made again is another)
-        now, held = os.stat(jdir), os.fstat(fd)
-        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            os.close(fd)
-            fd = None
-    if fd is None:
-        fd = _dir_fds[str(jdir)] = os.open(jdir, os.O_PATH | os.O_DIRECTORY)
-    return f"/proc/self/fd/{fd}/persist.sock"
-
-
-def secret_path(jdir: Path) -> Path:
-    return jdir / "persist.key"
-
-
-def write_secret(jdir: Path, generation: int) -> bytes:
-    """Rank 0: a new random secret for the persist process of `generation`, stored 0600
-    for the other ranks; returned for the process itself."""
-    secret = secrets.token_bytes(SECRET_BYTES)
-    write_private(secret_path(jdir), json.dumps({"generation": generation,
-                                                 "secret": secret.hex()}))
-    return secret
-
-
-def read_secret(jdir: Path, generation: int | None) -> bytes | None:
-    """The secret of the persist process of `generation` (None: whichever is recorded);
-    None while it is not recorded yet."""
-    try:
-        record = json.loads(secret_path(jdir).read_text())
-    except (OSError, ValueError):
-        return None
-    if generation is not None and record.get("generation") != generation:
-        return None
-    return bytes.fromhex(record["secret"])
-
-
-# -- the client: a training rank's end ---------------------------------------------------
-
-
-class PersistClient:
-    """A training rank's connection to its node's persist process; rank 0's also owns the
-    process itself (it starts, restarts and stops it, and notices when it is gone).
-
-    `generation` counts the persist processes rank 0 has started in this job (0: the
-    first); a rank other than 0 connects to the one of the generation it is given (None:
-    whichever rank 0 recorded last) and `reconnect`s when rank 0 shares a newer one.
-
-    A leader watches its process (`watch`, `twolevel.watch`): one found stopped or hung
-    while it is polled, waited for or checked is killed, and `restart` replaces it.
-
-    Owners: `send` may be called from the caller's and the snapshot thread (a lock keeps
-    messages whole); `receive`, `alive`, `process`, `check` and `restart` belong to rank
-    0's thread that holds the engine's plan lock, `reconnect` to a plan.
-    """
-
-    def __init__(self, job: str, storage: Storage, rank: int,
-                 generation: int | None = None, leader: bool | None = None,
-                 watch: PersistWatch | None = None) -> None:
-        self.job, self.storage, self.rank = job, storage, rank
-        self.leader = rank == 0 if leader is None else leader
-        """Whether this rank runs its node's persist process (its local rank 0)."""
-        self.jdir = secure_job_dir(job)
-        self.alive = True
-        """Rank 0's view: False once the process is found gone (or hung and killed)."""
-        self.process: subprocess.Popen | None = None
-        self.generation = 0 if generation is None else generation
-        self.restarts = 0
-        """Rank 0: persist processes started after the first (at most MAX_RESTARTS)."""
-        self.watch = watch or PersistWatch()
-        """A leader's: what it has seen of its process (stopped? a persist unanswered?)."""
-        self.lost = PERSIST_GONE
-        """The outcome of a persist lost with the process: why it is gone."""
-        self._lock = threading.Lock()
-        self._conn: Connection | None = None
-        self._spawner: ThreadPoolExecutor | None = None
-        if self.leader:
-            # Persist processes are started from a thread made now, on the caller's
-            # thread, in its scheduling class: a restart is asked for on the snapshot
-            # thread, whose SCHED_IDLE a child would inherit and could never leave (its
-            # start-up, a new interpreter, would then wait for idle cores).
-            self._spawner = ThreadPoolExecutor(1, thread_name_prefix="moc-persist-spawn")
-            self._spawner.submit(lambda: None).result()
-            self._start()
-        else:
-            self._join(generation)
-
-    def _start(self) -> None:
-        """Rank 0: start the persist process of `self.generation` with a new secret and
-        connect to it. Raises CheckpointError within seconds when the process dies
-        before it listens (its own error is on stderr), and never leaves it running
-        when the connection fails."""
-        secret = write_secret(self.jdir, self.generation)
-        assert self._spawner is not None
-        # On the spawner's thread, whose scheduling class a new process inherits (the
-        # prestarted one taken is replaced there too).
-        process = self._spawner.submit(lambda: prestart.take() or prestart.spawn()).result()
-        self.process = process
-        try:
-            assert process.stdin is not None
-            # What to serve goes on stdin: argv and the environment of a process are
-            # readable by others, and a prestarted process learns it only now.
-            order = {"job": self.job, "root": self.storage.name, "parent": os.getpid(),
-                     "secret": secret.hex()}
-            with contextlib.suppress(BrokenPipeError):  # it died: _connect says so
-                process.stdin.write(json.dumps(order).encode() + b"\n")
-                process.stdin.close()
-            self._conn = _connect(self.jdir, lambda: secret, process)
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
-        self.send(Hello(0))
-
-    def _join(self, generation: int | None) -> None:
-        self._conn = _connect(self.jdir, lambda: read_secret(self.jdir, generation))
-        self.send(Hello(self.rank))
-
-    def send(self, msg: object) -> None:
-        """Send one message; a dead persist process is not an error here (rank 0
-        notices it in `receive` or `check`, and every rank learns it from rank 0). A
-        Persist starts the watch's clock."""
-        data = codec.encode(msg)
-        if isinstance(msg, Persist) and self.leader:
-            self.watch.sent(msg.step)
-        with self._lock, contextlib.suppress(OSError):
-            if self._conn is not None:
-                self._conn.send_bytes(data)
-
-    def receive(self, step: int, block: bool) -> list[Done]:
-        """A leader: the results that have arrived while the persist of `step` is in
-        flight; with `block`, waiting for that one (sent by `send`, whose clock the watch
-        keeps: the hang limit bounds the wait), looking at the process every LOOK_S.
-        A closed connection, or a process the watch finds stopped or hung (killed then:
-        it must never commit late), ends the persist as failed (`lost`)."""
-        out: list[Done] = []
-        conn = self._conn
-        while conn is not None:
-            try:
-                if not conn.poll(LOOK_S if block else 0):
-                    why = self._look()
-                    if why is not None:
-                        out.append(self._gone(step, why))
-                    if why is not None or not block:
-                        break
-                    continue
-                msg = codec.decode(conn.recv_bytes(MAX_DONE_BYTES))
-                if not isinstance(msg, Done):
-                    raise codec.CodecError(f"expected a Done, got {type(msg).__name__}")
-            except (EOFError, OSError, codec.CodecError):
-                msg = self._gone(step)
-            else:
-                self.watch.answered(msg.step, msg.ok)
-            out.append(msg)
-            if msg.step == step:
-                break
-        if conn is None and block:
-            out.append(self._gone(step))
-        return out
-
-    def _look(self) -> str | None:
-        """The watch's verdict on the running process (None: none runs, or it is fine)."""
-        if not self.alive or not self._running():
-            return None
-        assert self.process is not None
-        return self.watch.verdict(self.process.pid)
-
-    def _gone(self, step: int, why: str | None = None) -> Done:
-        """The process is gone, or killed now for `why`: the persist of `step` with it."""
-        self._kill(why)
-        return Done(step, False, self.lost)
-
-    def _kill(self, why: str | None) -> None:
-        """Rank 0's view: the process is lost (killed for `why`, when the watch says so:
-        a stopped one never answers, a hung one must never commit late)."""
-        if not self.alive:
-            return
-        self.alive = False
-        self.lost = PERSIST_GONE if why is None else PERSIST_KILLED.format(why)
-        self.watch.replaced()  # nothing more of it will be answered or seen
-        if self.process is not None:
-            pid = self.process.pid
-            self.process.kill()
-            code = self.process.wait()
-            if why is not None:
-                log.warning("the persist process (pid %d) was %s: killed; a new one takes "
-                            "the next persist", pid, why)
-            else:
-                log.warning("the persist process (pid %d) is gone (exit code %s); a new "
-                            "one takes the next persist", pid, code)
-
-    def check(self, block: bool = False) -> bool:
-        """A leader: whether the persist process is alive, noticing an exit even when no
-        persist is in flight (an idle process can die too), and killing one the watch
-        finds stopped or hung. `block` (training waits for the process anyway): a
-        stopped process is given STOPPED_S to go on, no longer."""
-        why = self._look()
-        while why is None and block and self.watch.stopped and self._running():
-            time.sleep(LOOK_S)
-            why = self._look()
-        if why is not None or not self._running():
-            self._kill(why)
-        return self.alive
-
-    def _running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def restart(self) -> bool:
-        """Rank 0: start a new persist process (generation + 1, a new secret) after the
-        last one died or was killed; False when MAX_RESTARTS are used up or it would
-        not start. The other ranks `reconnect` when they learn the generation (at
-        the next plan)."""
-        if self.alive:
-            return True
-        while self.restarts < MAX_RESTARTS:
-            self.restarts += 1
-            self._close()
-            if self.process is not None and self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-            self.generation += 1
-            try:
-                self._start()
-            except CheckpointError as e:
-                print(f"moc: restart {self.restarts} of the persist process failed: {e}",
-                      file=sys.stderr)
-                continue
-            self.alive = True
-            self.watch.replaced()
-            return True
-        return False
-
-    def reconnect(self, generation: int) -> None:
-        """A rank other than 0: connect to rank 0's new persist process of `generation`."""
-        self._close()
-        self._join(generation)
-        self.generation = generation
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def abandon(self) -> None:
-        """The job's process groups are gone (in-job recovery): `stop` at once."""
-        self.stop(at_once=True)
-
-    def stop(self, at_once: bool = False) -> None:
-        """A leader: ask the process to stop and wait for it (killing it after
-        STOP_TIMEOUT_S), or with `at_once` kill it now (what it was persisting is
-        abandoned: an uncommitted step is never read, and the next process tidies what
-        it left); every rank: close the connection."""
-        try:
-            if self.leader and self.process is not None:
-                if not at_once:
-                    self.send(Stop())
-                _wait_or_kill(self.process, 0 if at_once else STOP_TIMEOUT_S)
-        finally:
-            self._close()
-            if self._spawner is not None:
-                self._spawner.shutdown(wait=False)
-
-
-def _wait_or_kill(process: subprocess.Popen, timeout_s: float) -> None:
-    """Wait for `process` to exit, `timeout_s` at most, then kill it; a stopped process
-    (SIGSTOP) is killed at once: it can neither finish nor exit."""
-    deadline = time.monotonic() + timeout_s
-    while process.poll() is None:
-        if time.monotonic() >= deadline or process_state(process.pid) == "T":
-            process.kill()
-            break
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=min(LOOK_S, max(0.0, deadline - time.monotonic())))
-    process.wait()
-
-
-def _connect(jdir: Path, secret: Callable[[], bytes | None],
-             process: subprocess.Popen | None = None) -> Connection:
-    """Connect to the job's persist process, retrying while it starts (no socket yet, no
-    secret recorded yet, or a secret of an older process). `process` (rank 0): stop as
-    soon as it has exited. Raises CheckpointError with what to do."""
-    path = socket_path(jdir)
-    timeout_s = CONNECT_TIMEOUT_S
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process is not None and process.poll() is not None:
-            raise CheckpointError(
-                f"the persist process exited with code {process.returncode} before it "
-                f"listened on {jdir / 'persist.sock'} (its error is above, on this job's stderr); "
-                "checkpoints cannot reach storage: fix that error and restart the job")
-        key = secret()
-        if key is not None:
-            try:
-                return Client(path, family="AF_UNIX", authkey=key)
-            except (FileNotFoundError, ConnectionRefusedError, AuthenticationError):
-                pass
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"no persist process answered on {jdir / 'persist.sock'} within "
-                f"{timeout_s:.0f} s; rank 0 starts it: look for rank 0's error, or a "
-                "second job using the same checkpoint directory")
-        time.sleep(0.05)
-
-
-# -- the server: the persist process -----------------------------------------------------
 
 
 def serve_on() -> None:
@@ -433,7 +94,7 @@ def serve_on() -> None:
     line = sys.stdin.readline()
     if not line:
         return
-    from moc.checkpoint.twolevel.prestart import serving
+    from moc.checkpoint.twolevel.persist.prestart import serving
 
     serving()
     order = json.loads(line)
@@ -443,7 +104,7 @@ def serve_on() -> None:
 def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:
     """Entry point of the persist process; `secret` (None: the first line of stdin, as
     hex, where rank 0 writes it) authenticates every connection."""
-    from moc.checkpoint.twolevel.worker import lower_process_priority
+    from moc.checkpoint.twolevel.snapshot.worker import lower_process_priority
 
     # Its life is its parent's: it ends when rank 0 is gone or asks it to stop. A signal
     # sent to the job (a preemption's SIGTERM to the process group, Ctrl-C in a terminal)
@@ -610,7 +271,7 @@ def _persist(job: str, storage: Storage, req: Persist, ready: dict[int, Ready],
              cancelled: Callable[[], bool], phases: Phases, cache: PersistCache
              ) -> tuple[list[int], str | None]:
     """Write one step's files of this node's ranks; on node 0 also wait for the other
-    nodes' parts and commit the manifest (`twolevel.commit`). The bytes written for
+    nodes' parts and commit the manifest (`twolevel.persist.commit`). The bytes written for
     each rank of the job (on node j > 0: of its own ranks), and on node 0 the manifest
     committed. `phases`: "read" (the snapshots' headers and mappings), "write",
     "fsync", "parts" (waiting for other nodes) and "commit"."""

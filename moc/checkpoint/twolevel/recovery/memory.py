@@ -12,17 +12,17 @@ peer, "mixed" when some but not all used storage; when no step qualifies the cal
 restores from storage alone ("storage").
 
 A peer copy travels over the replica process group: the leader of the node holding it
-reads it (checking its CRCs) and sends it to the rank that needs it (`twolevel.replica`),
+reads it (checking its CRCs) and sends it to the rank that needs it (`twolevel.replicas.replica`),
 pair by pair in one global order, so the transfers cannot deadlock. Every transfer
 happens before any rank loads, so an error in one rank's load never leaves a partner
 waiting in a send.
 
-Which version, and which copy of it each rank takes: `twolevel.copies` (the exact copy
+Which version, and which copy of it each rank takes: `twolevel.recovery.copies` (the exact copy
 wins). A partial snapshot (K_snapshot < N) holds some experts only; each of the others
 comes from its newest copy in an older snapshot slot or in storage, and the tokens routed
 to it since that copy count as lost (`at_copy`, accounted by the ledger). When the
 replicas of an expert came back from different sources ("mixed"), they are made equal to
-the freshest (`twolevel.alignment`), so replicas never diverge.
+the freshest (`twolevel.recovery.alignment`), so replicas never diverge.
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ from moc.checkpoint.recovery import (
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.state import RankState
 from moc.checkpoint.store.manifest import Manifest
-from moc.checkpoint.twolevel.alignment import (
+from moc.checkpoint.twolevel.memory.native import default_threads
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.recovery.alignment import (
     Origins,
     align_expert_replicas,
     copy_counts,
     oldest_copy,
 )
-from moc.checkpoint.twolevel.copies import (
+from moc.checkpoint.twolevel.recovery.copies import (
     Holdings,
     KnownCopies,
     Peers,
@@ -66,9 +68,7 @@ from moc.checkpoint.twolevel.copies import (
     node_holdings,
     stores,
 )
-from moc.checkpoint.twolevel.native import default_threads
-from moc.checkpoint.twolevel.replica import receive_replica, send_replica
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.replicas.wire import receive_replica, send_replica
 
 log = logging.getLogger(__name__)
 

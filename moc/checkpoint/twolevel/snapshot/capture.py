@@ -43,10 +43,10 @@ import torch
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.format import CHECKSUM
-from moc.checkpoint.twolevel import native
-from moc.checkpoint.twolevel.places import SlotView
-from moc.checkpoint.twolevel.slots import SlotEntry, SnapshotHeader, SnapshotStore
-from moc.checkpoint.twolevel.snapshot_tensors import (
+from moc.checkpoint.twolevel.memory import native
+from moc.checkpoint.twolevel.memory.places import SlotView
+from moc.checkpoint.twolevel.memory.slots import SlotEntry, SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.snapshot.tensors import (
     SnapshotTensors,
     TensorList,
     entry_fragment,

@@ -4,8 +4,8 @@
     layout = SlotLayout.of(tensors)        # the same, kept (a cached flatten's places)
     view = SlotView.at(buf, offset, dtype, shape)   # a mapping's bytes at one place
 
-The slots (`twolevel.slots`) keep files, mappings and headers; a replica's slots lay
-their tensors out the same way (`twolevel.replica`).
+The slots (`twolevel.memory.slots`) keep files, mappings and headers; a replica's slots lay
+their tensors out the same way (`twolevel.replicas.replica`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ _OFFSET, _DTYPE, _SHAPE = (operator.attrgetter(a) for a in ("offset", "dtype", "
 class SlotLayout:
     """Where a state's tensors lie in a slot laid out for `size` bytes (`keys[i]` at
     `offsets[i]`, of `dtypes[i]`, `shapes[i]`): made once per cached flatten
-    (`twolevel.state_cache`), so that opening a slot is not a Python loop over a
+    (`twolevel.snapshot.state_cache`), so that opening a slot is not a Python loop over a
     thousand tensors. A partial snapshot opens a `pick`: the whole state's places."""
 
     keys: list[str]

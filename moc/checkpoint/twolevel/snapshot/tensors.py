@@ -9,7 +9,7 @@ after, a numpy view of each source and destination, a header entry) cost it a Py
 call or more per tensor, per snapshot, holding the GIL the training thread needs to
 launch its kernels (on an H200 forward and backward took 152 ms to launch with a
 snapshot in flight, 112 ms without). None of it changes while the state keeps its
-tensors: a `Picked` is made once per cached layout (`twolevel.state_cache`) and given to
+tensors: a `Picked` is made once per cached layout (`twolevel.snapshot.state_cache`) and given to
 every snapshot of it, and what a copy derives from its tensors is kept on its
 `TensorList`. Per snapshot there remain a few C-level passes over cached lists
 (`operator.attrgetter` through `map`) and the tail: the param groups' JSON, the RNG
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moc.checkpoint.twolevel.places import SlotLayout, as_bytes
+from moc.checkpoint.twolevel.memory.places import SlotLayout, as_bytes
 
 _VERSION = operator.attrgetter("_version")
 _IS_CUDA = operator.attrgetter("is_cuda")

@@ -27,7 +27,7 @@ older one cannot speak to the new one.
                                                       node is Ready; node 0's process also
                                                       commits it, chained to `prev_step`,
                                                       once every node's part is written
-                                                      (`twolevel.commit`)
+                                                      (`twolevel.persist.commit`)
     leader -> persist    Abandon(step)                `step` failed: stop waiting for it
     leader -> persist    Stop()                       the job is closing
     persist -> leader    Done(step, ok, error, seconds, bytes_per_rank, phases, manifest)
@@ -47,7 +47,7 @@ Done. Ready and Failed messages of steps older than the one just finished are dr
 
 Liveness: the persist process exits, committing nothing more, when rank 0 (its parent) is
 gone; rank 0 reads a closed connection or an exited process as the persist process being
-gone (`PERSIST_GONE`), and kills one its watch finds stopped or hung (`twolevel.watch`:
+gone (`PERSIST_GONE`), and kills one its watch finds stopped or hung (`twolevel.persist.watch`:
 no Done within the hang limit; `PERSIST_KILLED`). Rank 0 then starts a new one (at most
 `MAX_RESTARTS` per job) with a new secret and generation, shares the generation with
 every rank at the next plan, and every rank reconnects before that plan's snapshot
@@ -77,10 +77,11 @@ report (`close()` raises), not to retry forever."""
 PERSIST_GONE = "the persist process exited; this checkpoint is kept in memory only"
 PERSIST_KILLED = ("the persist process was killed ({}); this checkpoint is kept in memory "
                   "only, and a new process persists the next one")
-"""The outcome of the persist a leader's watch killed its process over (`twolevel.watch`)."""
+"""The outcome of the persist a leader's watch killed its process over
+(`twolevel.persist.watch`)."""
 PERSIST_TIMEOUT_S = 600.0
 """How long a persist may go unanswered before any was timed (`watch.PersistWatch.limit`),
-and how long a node's process waits for another node's records (`twolevel.commit`);
+and how long a node's process waits for another node's records (`twolevel.persist.commit`);
 longer than writing any sane checkpoint."""
 
 
@@ -121,7 +122,7 @@ class Persist:
     n_nodes: int = 1
     nonce: str = ""
     """The job's, shared by rank 0 at start: marks this job's records on storage
-    (`twolevel.commit`)."""
+    (`twolevel.persist.commit`)."""
     global_world: int = 0
     """Ranks of the whole job (0: `node_ranks`), for Done's bytes_per_rank."""
     tidy: dict[int, str] | None = None

@@ -27,7 +27,7 @@ import numpy as np
 from moc.checkpoint.store.format import Digest, digest
 
 try:  # the one compiled part of moc, optional (setup.py): where it is missing, Python copies
-    from moc.checkpoint.twolevel import streamcopy
+    from moc.checkpoint.twolevel.memory import streamcopy
 except ImportError:  # pragma: no cover - a build without a C compiler
     streamcopy = None
 

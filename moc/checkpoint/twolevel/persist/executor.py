@@ -33,11 +33,11 @@ from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.identity import read_run_id
 from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.store.tidy import WriteTidy
-from moc.checkpoint.twolevel.commit import watch_part
-from moc.checkpoint.twolevel.jobdir import claim_job
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.persist import PersistClient
-from moc.checkpoint.twolevel.protocol import (
+from moc.checkpoint.twolevel.memory.jobdir import claim_job
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.persist.client import PersistClient
+from moc.checkpoint.twolevel.persist.commit import watch_part
+from moc.checkpoint.twolevel.persist.protocol import (
     PERSIST_TIMEOUT_S,
     Abandon,
     Done,
@@ -45,7 +45,7 @@ from moc.checkpoint.twolevel.protocol import (
     Persist,
     Ready,
 )
-from moc.checkpoint.twolevel.watch import PersistWatch
+from moc.checkpoint.twolevel.persist.watch import PersistWatch
 from moc.topology import ParallelGroups
 
 

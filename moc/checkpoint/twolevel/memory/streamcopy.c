@@ -99,7 +99,7 @@ static PyObject *copy(PyObject *self, PyObject *args)
 
 /* The fused copy's piece: hashed from the source, which brings it into cache, then
    streamed from cache to the slot, so the source is read from memory once. 512 KiB, as
-   the Python fallback's moc.checkpoint.twolevel.native.COPY_CHUNK (measured there): it stays
+   the Python fallback's moc.checkpoint.twolevel.memory.native.COPY_CHUNK (measured there): it stays
    in a core's L2 between the two passes. A multiple of XXH3's 1024-byte block, so each
    piece but the last is whole blocks and the hash needs no buffered state. (On a 2-core
    EPYC VM, 4 KiB pieces, whose reads and streaming writes overlap more, measured 15 GB/s

@@ -15,10 +15,10 @@ import torch
 
 from moc.checkpoint.policy.selection import SelectionContext, interleaves, select_experts
 from moc.checkpoint.spec import parse_expert_key
-from moc.checkpoint.twolevel.slots import SnapshotHeader
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader
 
 if TYPE_CHECKING:
-    from moc.checkpoint.twolevel.worker import SnapshotHandle
+    from moc.checkpoint.twolevel.snapshot.worker import SnapshotHandle
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ import torch
 from moc.checkpoint.optimizers import TorchOptimizerState
 from moc.checkpoint.shards import is_dtensor
 from moc.checkpoint.state import RankState, TakenAtSave
-from moc.checkpoint.twolevel.places import SlotLayout
-from moc.checkpoint.twolevel.snapshot_tensors import Picked, SnapshotTensors, TensorList
+from moc.checkpoint.twolevel.memory.places import SlotLayout
+from moc.checkpoint.twolevel.snapshot.tensors import Picked, SnapshotTensors, TensorList
 
 _LOCAL = operator.attrgetter("_local_tensor")  # a DTensor's piece, as torch keeps it
 _SHAPE = operator.attrgetter("shape")

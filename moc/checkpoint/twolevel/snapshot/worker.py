@@ -30,9 +30,9 @@ import torch
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
-from moc.checkpoint.twolevel.capture import Copier, capture, seal
-from moc.checkpoint.twolevel.slots import SnapshotHeader, SnapshotStore
-from moc.checkpoint.twolevel.snapshot_tensors import SnapshotTensors
+from moc.checkpoint.twolevel.memory.slots import SnapshotHeader, SnapshotStore
+from moc.checkpoint.twolevel.snapshot.capture import Copier, capture, seal
+from moc.checkpoint.twolevel.snapshot.tensors import SnapshotTensors
 
 PRIORITY_ENV = "MOC_CKPT_PRIORITY"
 """How checkpoint work is scheduled: "idle" (the default: the snapshot thread in
@@ -159,7 +159,7 @@ class SnapshotJob:
 
     slot: int
     tensors: dict[str, torch.Tensor] | SnapshotTensors
-    """What it copies: the engine's, laid out once and cached (`twolevel.state_cache`),
+    """What it copies: the engine's, laid out once and cached (`twolevel.snapshot.state_cache`),
     or a plain dict (laid out at each capture)."""
     meta: dict[str, Any]
     sizing: dict[str, torch.Tensor] | None = None

@@ -1,5 +1,5 @@
 """One rank's peer replicas across nodes: what it sends after each snapshot, to whom, and
-what it keeps for its own source (`twolevel.replica` has the wire and the slots).
+what it keeps for its own source (`twolevel.replicas.replica` has the wire and the slots).
 
     replication = Replication(nodes, rank, job, group, k_replica, jump, rate)
     report = replication.round(handle, snapshots, stems, spec, ep)   # snapshot thread
@@ -17,16 +17,16 @@ from typing import Any
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.spec import ExpertSpec
-from moc.checkpoint.twolevel.nodes import NodeLayout
-from moc.checkpoint.twolevel.replica import (
+from moc.checkpoint.twolevel.memory.nodes import NodeLayout
+from moc.checkpoint.twolevel.memory.slots import SnapshotStore
+from moc.checkpoint.twolevel.replicas.replica import (
     ReplicaChannel,
     ReplicaReport,
     ReplicaStore,
-    exchange_replicas,
     replica_keys,
 )
-from moc.checkpoint.twolevel.slots import SnapshotStore
-from moc.checkpoint.twolevel.worker import SnapshotHandle
+from moc.checkpoint.twolevel.replicas.wire import exchange_replicas
+from moc.checkpoint.twolevel.snapshot.worker import SnapshotHandle
 
 
 class Replication:

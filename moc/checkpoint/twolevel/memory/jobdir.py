@@ -2,7 +2,7 @@
 a dead job's is removed.
 
     /dev/shm/moc-<job>/owner.json      the process whose life the snapshots belong to
-    /dev/shm/moc-<job>/rank-<r>/       a rank's snapshot slots (`twolevel.slots`)
+    /dev/shm/moc-<job>/rank-<r>/       a rank's snapshot slots (`twolevel.memory.slots`)
     /dev/shm/moc-<job>/replica-<r>/    the replicas this node keeps of rank r (`replica`)
     /dev/shm/moc-<job>/owner-gone      when a clean-up first found the owner gone (its grace)
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.liveness import ProcessId, boot_id, pid_namespace
 from moc.checkpoint.store.storage import Storage, open_storage
-from moc.checkpoint.twolevel.nodes import node_memory_root
+from moc.checkpoint.twolevel.memory.nodes import node_memory_root
 
 log = logging.getLogger(__name__)
 

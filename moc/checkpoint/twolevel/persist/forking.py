@@ -9,7 +9,7 @@ thread the child needs:
 
 - a training process, from its rank host (`moc.train.forked`);
 - a persist process, from a forked training process before it starts any thread
-  (`moc.checkpoint.twolevel.prestart.prestart(fork=True)`).
+  (`moc.checkpoint.twolevel.persist.prestart.prestart(fork=True)`).
 
 The child touches nothing its parent owns: it closes every descriptor it was not given
 (the parent's store connections, other children's pipes), puts the default signal
