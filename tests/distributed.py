@@ -77,6 +77,20 @@ def rank_process(target: Callable, *args: Any) -> mp.Process:
     return ctx.Process(target=_as_caller, args=(dict(os.environ), os.getcwd(), target, args))
 
 
+def ranks_parent() -> int:
+    """The pid every rank process has as its parent (the forkserver's): a test that plants
+    a job directory's owner as 'the ranks' launcher, alive' names this pid."""
+    with tempfile.TemporaryDirectory() as out:
+        p = rank_process(_write_parent, str(Path(out) / "ppid"))
+        p.start()
+        p.join(60)
+        return int((Path(out) / "ppid").read_text())
+
+
+def _write_parent(path: str) -> None:
+    Path(path).write_text(str(os.getppid()))
+
+
 def _as_caller(env: dict[str, str], cwd: str, target: Callable, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(env)

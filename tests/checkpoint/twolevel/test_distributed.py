@@ -16,7 +16,7 @@ from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.memory.jobdir import OWNER, default_job_id, job_dir
 from moc.parallel import clip_grad_norm_, sync_gradients
-from tests.distributed import build_sharded, run_ranks
+from tests.distributed import build_sharded, ranks_parent, run_ranks
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
@@ -125,12 +125,11 @@ def test_a_rank_left_with_stale_optimizer_state_is_counted_as_lost(tmp_path):
     them over the replicas: no other rank holds them), and the restore said "mixed,
     0 expert tokens lost" while every later loss differed. Now the tokens that state
     lost are counted: the same count as restoring every rank from that storage step."""
-    import os
 
     root = tmp_path / "ckpt"
     saved = [r[4] for r in run_ranks(_train_then_crash, 2, str(root))]
     memory = job_dir(default_job_id(root))
-    (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
+    (memory / OWNER).write_text(json.dumps(ProcessId.of(ranks_parent()).to_json()))
     for name, wipe in (("mixed", "rank-00001"), ("storage", None)):
         shutil.copytree(root, tmp_path / name)
         if wipe is not None:
@@ -185,7 +184,6 @@ def test_a_flipped_bit_in_the_newest_snapshot_restores_the_exact_step_before(tmp
     Now the exact step 3 is taken, bitwise, the newer step is set aside, and the line
     says what the other choice would have cost; `prefer="newest"` takes step 4, with
     rank 1 from storage, and counts what that loses."""
-    import os
 
     from moc.checkpoint.store.steps import complete_steps
     from moc.checkpoint.twolevel.memory.slots import SnapshotStore
@@ -193,7 +191,7 @@ def test_a_flipped_bit_in_the_newest_snapshot_restores_the_exact_step_before(tmp
     root = tmp_path / "ckpt"
     at_3 = [r[3] for r in run_ranks(_train_then_crash, 2, str(root))]
     memory = job_dir(default_job_id(root))
-    (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
+    (memory / OWNER).write_text(json.dumps(ProcessId.of(ranks_parent()).to_json()))
     store = SnapshotStore(default_job_id(root), 1)
     (slot,) = [i for i, h in store.headers().items() if h.step == 4]
     store.release()
@@ -266,7 +264,6 @@ def test_memory_storage_and_mixed_recovery_account_the_same_fault_alike(tmp_path
     accounts through the one token ledger. With K_snapshot = K_persist = 1 and the wait
     policy a snapshot holds exactly the copies that reach storage, so all three restore
     the same state, and lose the same tokens."""
-    import os
 
     root = tmp_path / "ckpt"
     run_ranks(_train, 2, str(root), LOSSY, 1)
@@ -275,7 +272,7 @@ def test_memory_storage_and_mixed_recovery_account_the_same_fault_alike(tmp_path
         memory = job_dir(f"three-{name}")
         shutil.copytree(job_dir(default_job_id(root)), memory)
         # Alive (the ranks' parent): not a stale job.
-        (memory / OWNER).write_text(json.dumps(ProcessId.of(os.getpid()).to_json()))
+        (memory / OWNER).write_text(json.dumps(ProcessId.of(ranks_parent()).to_json()))
         if wipe is not None:
             shutil.rmtree(memory / wipe)
     for res in run_ranks(_restore_each, 2, str(tmp_path)):
