@@ -299,7 +299,7 @@ def test_a_prestarted_persist_process_stopped_with_its_starter_dies_with_it():
     EOF it waits for). It now gets SIGKILL when its starter ends, stopped or not."""
     starter = subprocess.run(
         [sys.executable, "-c", "import os, signal\n"
-         "from moc.checkpoint.twolevel import prestart\n"
+         "from moc.checkpoint.twolevel.persist import prestart\n"
          "prestart.prestart()\n"
          "p = prestart.take()\n"
          "os.kill(p.pid, signal.SIGSTOP)\n"
