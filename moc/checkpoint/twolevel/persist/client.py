@@ -28,7 +28,7 @@ from moc.checkpoint import codec
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.store.storage import Storage
 from moc.checkpoint.twolevel.memory.jobdir import secure_job_dir
-from moc.checkpoint.twolevel.persist import prestart, watch
+from moc.checkpoint.twolevel.persist import prestart
 from moc.checkpoint.twolevel.persist.channel import read_secret, socket_path, write_secret
 from moc.checkpoint.twolevel.persist.protocol import (
     MAX_DONE_BYTES,
@@ -357,22 +357,12 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
     path = socket_path(jdir)
     timeout_s = CONNECT_TIMEOUT_S
     deadline = time.monotonic() + timeout_s
-    stopped_since = None
     while True:
         if process is not None and process.poll() is not None:
             raise CheckpointError(
                 f"the persist process exited with code {process.returncode} before it "
                 f"listened on {jdir / 'persist.sock'} (its error is above, on this job's stderr); "
                 "checkpoints cannot reach storage: fix that error and restart the job")
-        if process is not None and process_state(process.pid) == "T":
-            # Stopped (SIGSTOP) while it starts: it never listens until someone resumes
-            # it; after the watch's STOPPED_S it is given up as the watch would.
-            stopped_since = stopped_since or time.monotonic()
-            if time.monotonic() - stopped_since >= watch.STOPPED_S:
-                raise CheckpointError(f"the persist process (pid {process.pid}) was stopped "
-                                      f"for {watch.STOPPED_S:g} s before it listened")
-        else:
-            stopped_since = None
         key = secret()
         if key is not None:
             try:
