@@ -190,7 +190,6 @@ class SnapshotPlanner:
             raise ValueError(f"step {step} was not checkpointed: its save arguments were "
                              f"rejected on {n_rejected} of {g.world_size} rank(s)"
                              + (f"; here: {rejected}" if rejected else ""))
-        self.persist.started()  # the first plan waits for every node's persist process
         books.warn_if_untracked(step, g.rank)
         # Without a persist process (it died), training goes on with snapshots only:
         # each checkpoint is reported as not persisted, and memory still recovers crashes.
@@ -260,7 +259,6 @@ class SnapshotPlanner:
         if not books.persist_alive:
             return PERSIST_GONE, None, None
         assert header is not None and slot is not None
-        self.persist.started()
         write = rank_share(self.state, g.layout, state, lambda key: True)
         books.mark_final(step)
         books.persist_started(step, None)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -62,11 +62,6 @@ class PersistClient:
     A leader watches its process (`watch`, `twolevel.persist.watch`): one found stopped or hung
     while it is polled, waited for or checked is killed, and `restart` replaces it.
 
-    `connect_later`: the constructor starts the process (a leader) and returns; the
-    connection is made in the background and `started` waits for it. The process's
-    start-up is a new interpreter importing torch (seconds): an engine's constructor
-    need not wait for it, only its first checkpoint does.
-
     Owners: `send` may be called from the caller's and the snapshot thread (a lock keeps
     messages whole); `receive`, `alive`, `process`, `check` and `restart` belong to rank
     0's thread that holds the engine's plan lock, `reconnect` to a plan.
@@ -74,7 +69,7 @@ class PersistClient:
 
     def __init__(self, job: str, storage: Storage, rank: int,
                  generation: int | None = None, leader: bool | None = None,
-                 watch: PersistWatch | None = None, connect_later: bool = False) -> None:
+                 watch: PersistWatch | None = None) -> None:
         self.job, self.storage, self.rank = job, storage, rank
         self.leader = rank == 0 if leader is None else leader
         """Whether this rank runs its node's persist process (its local rank 0)."""
@@ -91,8 +86,6 @@ class PersistClient:
         """The outcome of a persist lost with the process: why it is gone."""
         self._lock = threading.Lock()
         self._conn: Connection | None = None
-        self._pending: Future[None] | None = None
-        """The connection being made in the background (`connect_later`)."""
         self._spawner: ThreadPoolExecutor | None = None
         if self.leader:
             # Persist processes are started from a thread made now, on the caller's
@@ -101,34 +94,15 @@ class PersistClient:
             # start-up, a new interpreter, would then wait for idle cores).
             self._spawner = ThreadPoolExecutor(1, thread_name_prefix="moc-persist-spawn")
             self._spawner.submit(lambda: None).result()
-            self._start(connect_later)
-        elif connect_later:
-            self._pending = _in_background(lambda: self._join(generation))
+            self._start()
         else:
             self._join(generation)
 
-    def started(self) -> None:
-        """Wait for the connection begun at construction, if it is still being made.
-        A leader whose process never listened (it died, or was killed, before it did)
-        starts another, as `restart` would, and raises the first one's CheckpointError
-        only when no restart is left."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.result()
-        except CheckpointError:
-            if not self.leader:
-                raise
-            self._kill(None)
-            if not self.restart():
-                raise
-
-    def _start(self, connect_later: bool = False) -> None:
+    def _start(self) -> None:
         """Rank 0: start the persist process of `self.generation` with a new secret and
-        connect to it (in the background with `connect_later`: `started`). Raises
-        CheckpointError within seconds when the process dies before it listens (its own
-        error is on stderr), and never leaves it running when the connection fails."""
+        connect to it. Raises CheckpointError within seconds when the process dies
+        before it listens (its own error is on stderr), and never leaves it running
+        when the connection fails."""
         secret = write_secret(self.jdir, self.generation)
         assert self._spawner is not None
         # On the spawner's thread, whose scheduling class a new process inherits (the
@@ -144,26 +118,12 @@ class PersistClient:
             with contextlib.suppress(BrokenPipeError):  # it died: _connect says so
                 process.stdin.write(json.dumps(order).encode() + b"\n")
                 process.stdin.close()
+            self._conn = _connect(self.jdir, lambda: secret, process)
         except BaseException:
             process.kill()
             process.wait()
             raise
-
-        self._pending = None  # a restart supersedes the connection being made
-
-        def connect() -> None:
-            try:
-                self._conn = _connect(self.jdir, lambda: secret, process)
-            except BaseException:
-                process.kill()
-                process.wait()
-                raise
-            self.send(Hello(0))
-
-        if connect_later:
-            self._pending = _in_background(connect)
-        else:
-            connect()
+        self.send(Hello(0))
 
     def _join(self, generation: int | None) -> None:
         self._conn = _connect(self.jdir, lambda: read_secret(self.jdir, generation))
@@ -284,9 +244,7 @@ class PersistClient:
         return False
 
     def reconnect(self, generation: int) -> None:
-        """A rank other than 0: connect to rank 0's new persist process of `generation`
-        (a connection still being made to an older one is given up: it never succeeds)."""
-        self._pending = None
+        """A rank other than 0: connect to rank 0's new persist process of `generation`."""
         self._close()
         self._join(generation)
         self.generation = generation
@@ -306,34 +264,15 @@ class PersistClient:
         STOP_TIMEOUT_S), or with `at_once` kill it now (what it was persisting is
         abandoned: an uncommitted step is never read, and the next process tidies what
         it left); every rank: close the connection."""
-        if self._pending is not None and not self._pending.done():
-            at_once = True  # not connected yet: it was given no work, nothing to finish
         try:
             if self.leader and self.process is not None:
-                if not at_once and self._conn is not None:
+                if not at_once:
                     self.send(Stop())
                 _wait_or_kill(self.process, 0 if at_once else STOP_TIMEOUT_S)
         finally:
             self._close()
             if self._spawner is not None:
                 self._spawner.shutdown(wait=False)
-
-
-def _in_background(run: Callable[[], None]) -> Future[None]:
-    """`run` on a thread of its own (a daemon: a process that ends does not wait for a
-    connection it no longer needs); its outcome as a future."""
-    future: Future[None] = Future()
-
-    def target() -> None:
-        try:
-            run()
-        except BaseException as e:
-            future.set_exception(e)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=target, name="moc-persist-connect", daemon=True).start()
-    return future
 
 
 def _wait_or_kill(process: subprocess.Popen, timeout_s: float) -> None:

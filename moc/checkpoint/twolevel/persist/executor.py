@@ -1,8 +1,7 @@
 """A rank's end of persisting: requests to its node's persist process, and their outcomes
 as futures.
 
-    persist = PersistExecutor.start(job, storage, run_id, groups, dist, nodes)
-    persist.started()                              # collective: every process listens
+    persist = PersistExecutor(client, groups, nodes, root, nonce)
     future = persist.execute(PersistRequest(step, prev_step, template))  # a node's leader sends
     persist.ready(rank, step, slot, write, held)   # this rank's snapshot of it is in memory
     future.result()                                # Done: committed, or why not
@@ -68,14 +67,8 @@ class PersistExecutor:
     messages whole)."""
 
     def __init__(self, client: PersistClient, groups: ParallelGroups,
-                 nodes: NodeLayout | None, storage: Storage, nonce: str,
-                 dist: Dist | None = None) -> None:
+                 nodes: NodeLayout | None, storage: Storage, nonce: str) -> None:
         self.client, self.storage, self.nonce = client, storage, nonce
-        self.dist = dist
-        self._start_error: str | None = None
-        self._started = dist is None
-        """Whether `started` agreed that every node's process listens (no `dist`: the
-        client connected at construction)."""
         self.rank, self.world_size = groups.rank, groups.world_size
         self.per_node = nodes.per_node if nodes is not None else groups.world_size
         self.n_nodes = nodes.n_nodes if nodes is not None else 1
@@ -92,10 +85,9 @@ class PersistExecutor:
     def start(cls, job: str, storage: Storage, run_id: str | None, groups: ParallelGroups,
               dist: Dist, nodes: NodeLayout) -> PersistExecutor:
         """Collective: each node's leader claims the job's shared memory on its node and
-        starts the node's persist process, and returns without waiting for it to listen
-        (a new interpreter importing torch: seconds the constructor of an engine need not
-        spend; `started`, at the first checkpoint, waits). The other ranks connect in the
-        background.
+        starts the node's persist process; the other ranks connect only once every
+        leader says its process is up, and raise a leader's error when one is not: every
+        rank fails within seconds with the same line, none waits out a connect timeout.
         Across nodes, also a check that every node sees the same checkpoint directory.
         The job's nonce is rank 0's."""
         client, error = None, None
@@ -114,49 +106,17 @@ class PersistExecutor:
                 # found and replaced by its own leader first.
                 patience = 2.0 if groups.rank == 0 and nodes.n_nodes > 1 else 1.0
                 client = PersistClient(job, storage, groups.rank, leader=True,
-                                       watch=PersistWatch(patience), connect_later=True)
+                                       watch=PersistWatch(patience))
             except CheckpointError as e:
                 error = f"node {nodes.node(groups.rank)}: {e}" if nodes.n_nodes > 1 else str(e)
         errors = [e for e in dist.all_gather(error) if e is not None]
         nonce = dist.broadcast(secrets.token_hex(8) if groups.rank == 0 else None)
         if errors:
             if client is not None:
-                client.stop(at_once=True)
+                client.stop()
             raise CheckpointError(errors[0])
-        client = client or PersistClient(job, storage, groups.rank, 0, leader=False,
-                                         connect_later=True)
-        return cls(client, groups, nodes, storage, nonce, dist)
-
-    def started(self) -> None:
-        """Collective, at the first exchange (`SnapshotPlanner.share`): every node's
-        persist process listens and every rank is connected. When a process is not up
-        (it died at start: its error is on stderr), every rank raises the same line,
-        then and at every later call, and none waits out a connect timeout: the
-        other ranks learn it from the leaders before they wait for their own."""
-        if self._started:
-            if self._start_error is not None:
-                raise CheckpointError(self._start_error)
-            return
-        assert self.dist is not None
-        error = None
-        if self.client.leader:
-            try:
-                self.client.started()
-            except CheckpointError as e:
-                error = f"node {self.node}: {e}" if self.n_nodes > 1 else str(e)
-        views = self.dist.all_gather((error, self.client.generation))
-        errors = [e for e, _ in views if e is not None]
-        self._started = True
-        if errors:
-            self._start_error = errors[0]
-            self.client.stop(at_once=True)
-            raise CheckpointError(errors[0])
-        if not self.client.leader:  # its own connection: its leader's process is up
-            generation = views[self.node * self.per_node][1]
-            if generation != self.client.generation:  # the first one died: a new one
-                self.client.reconnect(generation)
-            else:
-                self.client.started()
+        client = client or PersistClient(job, storage, groups.rank, 0, leader=False)
+        return cls(client, groups, nodes, storage, nonce)
 
     # -- the process, for the engine's drills and reports ------------------------------------
 
