@@ -265,6 +265,13 @@ class MocCheckpointManager(BaseCheckpointManager):
     def _maybe_wait_for_staging(self) -> None:
         self.ckpt.wait_for_snapshot()
 
+    def maybe_wait_for_saving(self) -> None:
+        """Block until every save is durable. torchtitan's base waits only while its
+        `save_future` is set; moc's saves run in its own background process and keep no
+        such future, so the base would return at once, with a save still in flight."""
+        if self.enable:
+            self.ckpt.flush()
+
     def _wait_for_saving(self) -> None:
         self.ckpt.flush()
 
