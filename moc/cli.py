@@ -178,6 +178,10 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.device, args.recovery, args.spares = cfg.device, cfg.recovery, cfg.spares
     # Each rank gets its share of the cores; also silences torchrun's warning.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    # c10d's C++ warnings (a store or peer connection lost: a warning and a 20-frame C++
+    # trace from each process that still talked to it) repeat what moc says of each
+    # fault in one line. Errors still show; TORCH_CPP_LOG_LEVEL set by the user wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     shutdown_s = torchrun_shutdown_s(cfg.grace_s)
     if args.nodes > 1:
         from moc.train.nodes import run_nodes

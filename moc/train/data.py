@@ -12,6 +12,7 @@ so a resumed run sees exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,17 @@ DOC_SEPARATOR = b"\n\n"
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's .py files, without installed third-party packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The standard library's .py files, without installed third-party packages, in
+    path order. os.walk, not Path.rglob: 0.05 s against 1.0 s on the project's VM, paid
+    by `moc train`'s launcher and every training process (the same files: followed
+    symlinks neither way)."""
+    root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py")
-                  if p.is_file() and not skip.intersection(p.relative_to(root).parts))
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(top, f) for f in files if f.endswith(".py")]
+    return sorted(p for p in found if p.is_file())
 
 
 def _read_files(paths: list[Path], what: str) -> bytes:

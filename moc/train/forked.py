@@ -50,9 +50,9 @@ def fork(argv: list[str], env: dict[str, str], keep_fd: int, stdin: bool,
         os.environ.update(env)
         from moc.checkpoint.twolevel.persist import prestart
         from moc.train.__main__ import main
-        from moc.train.injob import ENV_PRESTART
+        from moc.train.injob import prestarts
 
-        if os.environ.get(ENV_PRESTART) and os.environ.get("LOCAL_RANK", "0") == "0":
+        if prestarts():
             prestart.prestart(fork=True)  # no thread runs yet: a fork, not an interpreter
         return main(argv)
 

@@ -169,6 +169,14 @@ def enabled() -> bool:
     return ENV_FD in os.environ
 
 
+def prestarts() -> bool:
+    """Whether this training process keeps a persist process started ahead: a node's
+    leader (local rank 0, the only rank that starts one) when its host asks
+    (ENV_PRESTART). Another rank's would be an interpreter importing torch beside the
+    first steps, never used."""
+    return bool(os.environ.get(ENV_PRESTART)) and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def store_address() -> tuple[str, int]:
     """Where the job's store is: $MOC_JOB_STORE (a store that outlives any node), else
     the torchrun round's (MASTER_ADDR:MASTER_PORT)."""

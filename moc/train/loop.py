@@ -38,7 +38,7 @@ from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
 from moc.train.engines import agree_on_placement, initial_model, make_engine
 from moc.train.evaluate import mean_over_ranks, validation_loss
-from moc.train.injob import ENV_PRESTART, Membership, first_line, lost_peer
+from moc.train.injob import Membership, first_line, lost_peer, prestarts
 from moc.train.injob import enabled as in_job
 from moc.train.machines import lose_machine
 from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
@@ -452,7 +452,7 @@ class Trainer:
                                      "step before the fault")
                 self.recovery = None
             if (self.membership is not None and self.membership.stepped(step_time)
-                    and os.environ.get(ENV_PRESTART)):
+                    and prestarts()):
                 prestart()  # training is back: the next engine's persist process
             note = ""
             if ckpt is not None and ckpt.pending:

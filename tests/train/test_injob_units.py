@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel.persist import prestart
-from moc.train import host
+from moc.train import host, injob
 from moc.train.config import TrainConfig
 from moc.train.injob import (
     FORM_FACTOR,
@@ -320,3 +320,19 @@ def test_a_prestarted_persist_process_stopped_with_its_starter_dies_with_it():
         time.sleep(0.1)
     raise AssertionError(f"the prestarted persist process {pid} outlived its starter "
                          f"(state {state})")
+
+
+@pytest.mark.parametrize(("asked", "local_rank", "expected"),
+                         [("1", "0", True), ("1", None, True), ("1", "1", False),
+                          ("", "0", False), (None, "0", False)])
+def test_a_persist_process_is_prestarted_only_by_a_node_leader_asked_to(monkeypatch, asked,
+                                                                        local_rank, expected):
+    """A node's persist process is started by its leader alone: a prestarted one on
+    another rank was an interpreter importing torch beside the first steps, and never
+    used (both ranks of a one-node `moc train` started one after their first step)."""
+    for name, value in ((injob.ENV_PRESTART, asked), ("LOCAL_RANK", local_rank)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert injob.prestarts() is expected

@@ -303,13 +303,17 @@ def test_a_launcher_killed_by_sigkill_takes_every_node_with_it(tmp_path, shm):
             time.sleep(0.5)
         left = _job_processes(roots)
         assert not left, f"processes outlived their launcher: {left}"
+        # Each rank says in one line that the store is gone; no C++ trace of c10d's
+        # (TCPStore.cpp's warnings, 20 frames each, from every process, before).
+        err = _stderr(metrics)
+        assert "TCPStore.cpp" not in err and "frame #" not in err, err[-3000:]
     finally:
         for pid in _job_processes(roots):  # only this run's: found by its own roots
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     (root,) = shm.glob("moc-nodes-*")
     claim = subprocess.run(
-        [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.slots import claim_job;"
+        [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.jobdir import claim_job;"
          "claim_job('next')"], env=env, capture_output=True, text=True, timeout=120)
     assert claim.returncode == 0, claim.stderr[-2000:]
     assert not root.exists()
