@@ -45,6 +45,7 @@ from pathlib import Path
 import pytest
 
 from moc.checkpoint.recovery import CheckpointReader
+from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
 from moc.train.machines import machine_pids, parent_of
@@ -591,6 +592,61 @@ def test_two_machines_lost_at_once_with_ep_1_are_taken_over_exactly(tmp_path, re
         _lose_machine(job, node, nodes)
     assert job.wait(timeout=500) == 0, (lost, at, log.read_text()[-12000:])
     _assert_in_job_exact(tmp_path, reference_ep1, ("two machines", lost, at))
+
+
+def _experts_from_storage(manifest: Manifest, ranks: list[int], weights_too: bool
+                          ) -> set[tuple[int, int]]:
+    """(MoE layer, expert) whose copies `ranks` took from storage's `manifest`: those
+    whose optimizer moments are in one of their files (ZeRO: one owner per tensor);
+    every expert when `weights_too` (no rank held a live replica of the weights)."""
+    def layer(stem: str) -> int:
+        return int(re.search(r"layers\.(\d+)\.", stem)[1])
+
+    experts = [(key, parsed) for key in manifest.entries
+               if (parsed := parse_expert_key(key)) is not None]
+    layers = sorted({layer(stem) for _, (_, stem, _) in experts})
+    files = {f"rank-{r:05d}.safetensors" for r in ranks}
+    return {(layers.index(layer(stem)), expert) for key, (kind, stem, expert) in experts
+            if weights_too or (kind == "optim" and manifest.entries[key].file in files)}
+
+
+def test_two_machines_lost_with_k_1_count_the_tokens_storage_lost_as_by_hand(tmp_path):
+    """Issue 47, finding 1 with K = 1 of 4 experts on storage: machines 1 and 2 lost
+    together. Rank 1's peer replica was on machine 2, so its share of the optimizer
+    state (ZeRO: each expert tensor's moments are one rank's) can only come from storage,
+    whose step holds older copies of most experts. Before, the restore said "0 expert
+    tokens lost, PLT 0.0000" and 154 of 200 losses differed. Now each recovery that read
+    storage counts what the count by hand from that step's manifest gives: for every
+    expert whose moments a rank took from storage (their file is that rank's), the tokens
+    routed to it since its copy there (`cumulative - at_save`); the weights, replicated
+    with ep 1, come from a live replica and lose nothing."""
+    log = tmp_path / "stderr.log"
+    job = subprocess.Popen([*_args(tmp_path), "--nodes", "3", "--nproc", "1", "--ep", "1",
+                            "--recovery", "in-job", "--spare-nodes", "2", "--k-persist", "1"],
+                           stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    _wait_for_step(job, tmp_path, 9, log)  # past 4 checkpoints: most copies are old
+    nodes = _nodes_root(tmp_path)
+    for node in (1, 2):
+        _lose_machine(job, node, nodes)
+    assert job.wait(timeout=500) == 0, log.read_text()[-12000:]
+    recoveries = [e for e in read_events(tmp_path / "metrics.jsonl")
+                  if e["event"] == "recovery"]
+    assert recoveries, log.read_text()[-6000:]
+    counted = []
+    for e in recoveries:
+        storage_ranks = e["sources"].get("storage", [])
+        if not storage_ranks:
+            assert e["lost_tokens"] == 0, e
+            continue
+        manifest = Manifest.load(tmp_path / "ckpt", e["resumed_from"])
+        from_storage = _experts_from_storage(
+            manifest, storage_ranks, weights_too=len(storage_ranks) == len(e["pids"]))
+        tokens = manifest.tokens
+        by_hand = sum(tokens["cumulative"][m][x] - tokens["at_save"][m][x]
+                      for m, x in from_storage)
+        assert e["lost_tokens"] == by_hand, (e, by_hand, sorted(from_storage))
+        counted.append(by_hand)
+    assert counted and max(counted) > 0, recoveries  # storage was read, and lost tokens
 
 
 def _losses_exact(root: Path, ref_root: Path, label: tuple) -> list[dict]:
