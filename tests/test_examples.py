@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
 
-def run(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def run(*argv: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess:
     """`python ARGV` in `cwd`, importing this tree's moc (an example's own directory is
-    its sys.path[0], not the repository)."""
+    its sys.path[0], not the repository), with `env` added to the environment."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path,
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path,
            "OMP_NUM_THREADS": "1"}  # 2 ranks share the cores; no torchrun warning
     r = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=timeout)
@@ -32,14 +33,14 @@ def run(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProc
     return r
 
 
-def torchrun(out: Path, *, fault_at: int | None = None, example: str = "train_hf_ddp.py"
-             ) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *, fault_at: int | None = None, example: str = "train_hf_ddp.py",
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The example's header commands: `--max-restarts 1 ... --fault-at S` for a fault."""
     restarts = ["--max-restarts", "1"] if fault_at is not None else []
     fault = ["--fault-at", str(fault_at)] if fault_at is not None else []
     return run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                *restarts, str(EXAMPLES / example), "--out", str(out),
-               "--steps", "20", *fault, cwd=out.parent)
+               "--steps", "20", *fault, cwd=out.parent, env=env)
 
 
 def losses(out: Path) -> list[dict]:
@@ -106,6 +107,25 @@ def test_fsdp2_ep_example_resumes_from_memory_bitwise_after_a_sigkill(fsdp2_runs
     assert "every loss bitwise equal" in r.stdout
     manifest = json.loads((b / "ckpt" / "step-00000020" / "manifest.json").read_text())
     assert manifest["version"] == 6 and "param/layers.0.mix.weight@8,0" in manifest["entries"]
+
+
+@pytest.mark.slow
+def test_fsdp2_ep_example_resumes_from_memory_when_storage_holds_no_step(tmp_path):
+    """Every persist stalls 12 s (a slow disk), so rank 1's SIGKILL at step 13 comes
+    before any step reached storage: each rank restores from its own snapshot alone,
+    which holds its FSDP2 pieces only (rows 0-31 of a 64-row weight on rank 0), with no
+    manifest on storage to lend the others' shapes. It once failed with "checkpoint
+    shape (32, 16) does not fit the model's (64, 16)" and took nothing."""
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    torchrun(straight, example="train_fsdp2_ep.py")
+    r = torchrun(faulted, fault_at=13, example="train_fsdp2_ep.py",
+                 env={"MOC_PERSIST_STALL_S": "12"})
+    before, _, _ = r.stdout.partition("restart 1:")
+    assert "bytes persisted" not in before, r.stdout  # storage held no step at the kill
+    assert "restart 1: resumed from step 10 (memory), lost tokens 0" in r.stdout, r.stdout
+    want = {e["step"]: e["hex"] for e in losses(straight)}
+    for e in losses(faulted):
+        assert e["hex"] == want[e["step"]], f"step {e['step']} (restart {e['restart']})"
 
 
 @pytest.mark.parametrize("example", ["minimal.py", "train_hf_ddp.py", "train_fsdp2_ep.py",

@@ -96,6 +96,8 @@ def restore_loop(candidates: Iterable[C], attempt: Callable[[C], T], dist: Dist,
 class CheckpointReader:
     """Reads keys of one manifest, verifying each against its checksum."""
 
+    one_rank = False  # a manifest lists every rank's pieces
+
     def __init__(self, root: Path | ObjectPath, manifest: Manifest) -> None:
         self.root = open_root(root)
         self.manifest = manifest
@@ -129,10 +131,14 @@ class CheckpointReader:
 
 class DictReader:
     """The reader interface over tensors already in memory (a snapshot), or over lazy
-    ones: a value with a `load()` method is read only when it is used."""
+    ones: a value with a `load()` method is read only when it is used.
 
-    def __init__(self, tensors: dict[str, Any]) -> None:
+    `one_rank`: the tensors are one rank's pieces (a snapshot in memory or its peer
+    replica), not every rank's, as a state dict gathered by DCP is."""
+
+    def __init__(self, tensors: dict[str, Any], one_rank: bool = False) -> None:
         self.tensors = tensors
+        self.one_rank = one_rank
         self._pieces: dict[str, list[tuple[str, Box]]] | None = None
 
     def __contains__(self, key: str) -> bool:

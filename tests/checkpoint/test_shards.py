@@ -91,3 +91,21 @@ def test_a_missing_piece_overlapping_pieces_and_another_shape_are_refused():
     assert piece_index([("param/w@2,0", (2, 4)), ("param/x", (3,))]) == {
         "param/w": [("param/w@2,0", Box((2, 0), (2, 4)))],
         "param/x": [("param/x", Box((0,), (3,)))]}
+
+
+def test_one_ranks_snapshot_reads_its_own_piece_without_the_others():
+    """A rank's snapshot in memory holds its pieces only: rank 0 of an FSDP2 job holds
+    rows 0-1 of 4, so the pieces' extent is (2, 4), not the whole (4, 4). Its own piece
+    reads back; a piece it does not hold is missing, and a piece past the whole shape is
+    another model. A checkpoint on storage (every rank's pieces) stays strict."""
+    t = torch.arange(16.0).reshape(4, 4)
+    mine = Box((0, 0), (2, 4))
+    snapshot = _stored(t, [mine])
+    snapshot.one_rank = True
+    assert torch.equal(read_piece(snapshot, "param/w@0,0", (2, 4), (4, 4)), t[:2])
+    with pytest.raises(CorruptCheckpointError, match="cover 0 of the 8"):
+        read_piece(snapshot, "param/w@2,0", (2, 4), (4, 4))
+    with pytest.raises(IncompatibleCheckpointError, match=r"\(2, 4\)"):
+        read_piece(snapshot, "param/w@0,0", (2, 4), (2, 2))
+    with pytest.raises(IncompatibleCheckpointError, match=r"\(2, 4\) does not fit"):
+        read_piece(_stored(t, [mine]), "param/w@0,0", (2, 4), (4, 4))

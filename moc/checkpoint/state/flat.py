@@ -128,6 +128,12 @@ def flatten_optimizer(states: dict[str, dict[str, torch.Tensor]], spec: ExpertSp
 class Reader(Protocol):
     """Where restored tensors come from: a checkpoint on storage, a snapshot in memory."""
 
+    one_rank: bool
+    """True when the reader holds one rank's pieces only (its snapshot in memory, or a
+    peer's replica of it), not every rank's: the pieces it holds of a tensor then need
+    not reach its whole shape, only fit inside it. A checkpoint on storage holds every
+    rank's pieces, so there the pieces must span the whole shape exactly."""
+
     def __contains__(self, key: str) -> bool: ...
 
     def get(self, key: str) -> torch.Tensor: ...
@@ -181,6 +187,12 @@ def read_piece(reader: Reader, key: str, shape: tuple[int, ...],
     if not stored:
         raise CorruptCheckpointError(f"the checkpoint has no key {logical!r}")
     have = extent(b for _, b in stored)
+    if reader.one_rank and whole is not None:
+        # One rank's pieces: what it holds must fit the whole tensor; the box it wants
+        # is checked against the whole, and its coverage below.
+        fits = len(have) == len(whole) and all(
+            h <= w for h, w in zip(have, whole, strict=True))
+        have = tuple(whole) if fits else have
     fits = len(have) == len(shape) and all(
         o + n <= h for o, n, h in zip(want.offsets, shape, have, strict=True))
     if not fits or (whole is not None and have != tuple(whole)):

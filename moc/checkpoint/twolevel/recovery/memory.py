@@ -402,7 +402,7 @@ def _peer_reader(tensors: dict[str, torch.Tensor], root: Path, step: int,
     out, copies = _from_storage(root, newest_storage)
     for key, t in tensors.items():
         out[key], copies[key] = t, (step, "peer")
-    return DictReader(out), copies
+    return DictReader(out, one_rank=True), copies
 
 
 def _memory_reader(store: SnapshotStore, root: Path, step: int,
@@ -435,4 +435,4 @@ def _memory_reader(store: SnapshotStore, root: Path, step: int,
         for key, t in snap.items():
             tensors[key], copies[key] = t, (header.step, f"slot-{slot}")
         from_slots.update(snap)
-    return DictReader(tensors), copies
+    return DictReader(tensors, one_rank=True), copies
