@@ -440,4 +440,4 @@ def test_a_persist_process_dead_at_start_fails_every_rank_with_rank_0s_error(tmp
     results = run_ranks(_start_with_a_dead_persist, 2, str(tmp_path / "ckpt"),
                         str(tmp_path / "broken"))
     assert results[0] == results[1]
-    assert results[0].startswith("the persist process exited with code 3 before it listened")
+    assert results[0].startswith("the persist process exited with code 3 as it started")

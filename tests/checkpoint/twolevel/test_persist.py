@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import stat
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
@@ -153,33 +154,63 @@ def test_the_secret_is_new_for_each_process_and_only_this_users(tmp_path):
     assert secrets[0] != secrets[1] and len(secrets[0]) == 32
 
 
-def _broken_torch(tmp_path, body: str) -> str:
-    """A PYTHONPATH entry whose `torch` shadows the real one for processes started with
-    it (this one has imported torch already): a persist process that dies, or hangs,
-    before it listens."""
-    pkg = tmp_path / "broken" / "torch"
+def _shadowed(tmp_path, module: str, body: str) -> str:
+    """A PYTHONPATH entry whose `module` (a package) shadows the real one for processes
+    started with it (this one has imported it already)."""
+    pkg = tmp_path / "shadow" / module
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(body)
-    return str(tmp_path / "broken")
+    return str(tmp_path / "shadow")
+
+
+def _broken_torch(tmp_path, body: str) -> str:
+    """A `torch` for the persist process alone: one that dies, or hangs, as it starts
+    (it binds its socket first: `prestart.LISTEN_FIRST`)."""
+    return _shadowed(tmp_path, "torch", body)
 
 
 def test_a_persist_process_dead_at_start_is_one_clear_error(tmp_path, monkeypatch):
     claim_job(JOB)
     monkeypatch.setenv("PYTHONPATH", _broken_torch(tmp_path, "raise SystemExit(3)"))
-    with pytest.raises(CheckpointError, match=r"persist process exited with code 3 before "
-                                              r"it listened on .*persist.sock"):
+    with pytest.raises(CheckpointError, match=r"persist process exited with code 3 as it "
+                                              r"started, before rank 0 connected to "
+                                              r".*persist.sock"):
         PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
 
 
 def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, monkeypatch):
+    """A process that hangs before it binds its socket (here: in the standard library's
+    `queue`, which its listener imports, shadowed in that process alone) is killed once
+    the connection timeout passes, and reaped."""
+    claim_job(JOB)
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("PYTHONPATH", _shadowed(
+        tmp_path, "queue", f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+                           "time.sleep(600)\n"))
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.CONNECT_TIMEOUT_S", 2.0)
+    with pytest.raises(CheckpointError, match=r"no persist process answered on .* within 2 s"):
+        PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)  # killed and reaped
+
+
+def test_a_persist_process_that_hangs_in_its_import_is_killed_at_close_not_leaked(
+        tmp_path, monkeypatch):
+    """A process that listens (it binds its socket before it imports torch:
+    `prestart.LISTEN_FIRST`) and then hangs in torch's import admits rank 0, which goes
+    on; closing it kills the process once STOP_TIMEOUT_S passes, and reaps it."""
     claim_job(JOB)
     pidfile = tmp_path / "pid"
     monkeypatch.setenv("PYTHONPATH", _broken_torch(
         tmp_path, f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
                   "time.sleep(600)\n"))
-    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.CONNECT_TIMEOUT_S", 2.0)
-    with pytest.raises(CheckpointError, match=r"no persist process answered on .* within 2 s"):
-        PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
+    monkeypatch.setattr("moc.checkpoint.twolevel.persist.client.STOP_TIMEOUT_S", 2.0)
+    client = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists():  # it is in torch's import
+        assert time.monotonic() < deadline and client.process.poll() is None
+        time.sleep(0.05)
+    client.stop()
     with pytest.raises(ProcessLookupError):
         os.kill(int(pidfile.read_text()), 0)  # killed and reaped
 

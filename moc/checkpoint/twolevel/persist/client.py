@@ -107,14 +107,15 @@ class PersistClient:
         assert self._spawner is not None
         # On the spawner's thread, whose scheduling class a new process inherits (the
         # prestarted one taken is replaced there too).
-        process = self._spawner.submit(lambda: prestart.take() or prestart.spawn()).result()
+        process = self._spawner.submit(
+            lambda: prestart.take() or prestart.spawn(listen_first=True)).result()
         self.process = process
         try:
             assert process.stdin is not None
             # What to serve goes on stdin: argv and the environment of a process are
             # readable by others, and a prestarted process learns it only now.
             order = {"job": self.job, "root": self.storage.name, "parent": os.getpid(),
-                     "secret": secret.hex()}
+                     "secret": secret.hex(), "dir": str(self.jdir)}
             with contextlib.suppress(BrokenPipeError):  # it died: _connect says so
                 process.stdin.write(json.dumps(order).encode() + b"\n")
                 process.stdin.close()
@@ -299,8 +300,9 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
     while True:
         if process is not None and process.poll() is not None:
             raise CheckpointError(
-                f"the persist process exited with code {process.returncode} before it "
-                f"listened on {jdir / 'persist.sock'} (its error is above, on this job's stderr); "
+                f"the persist process exited with code {process.returncode} as it started, "
+                f"before rank 0 connected to {jdir / 'persist.sock'} (its error is above, on "
+                "this job's stderr); "
                 "checkpoints cannot reach storage: fix that error and restart the job")
         key = secret()
         if key is not None:

@@ -3,7 +3,8 @@ can start one before it imports torch (`moc.train.host` loads this file first).
 
     prestart()        have one persist process of this process's waiting, imported
     take()            the waiting one, if any
-    spawn()           a persist process now (`persist.serve_on`: what to serve on stdin)
+    spawn()           a persist process now (what to serve on stdin); listen_first=True:
+                      it admits the ranks before it imports torch (`LISTEN_FIRST`)
 
 A node leader's engine needs its persist process up before the engine is built
 (`PersistExecutor.start`), and a new persist process costs an interpreter and torch's
@@ -31,16 +32,43 @@ _waiting: list[Any] = []
 """subprocess.Popen, or moc.checkpoint.twolevel.persist.forking.Forked."""
 
 
-def spawn() -> subprocess.Popen:
-    """A persist process, imported and waiting on stdin for what to serve. -c rather
-    than -m: it imports only what serving needs. It exits at EOF, unused: when the
-    process that started it ends. It runs at the persist process's low priority from
-    its first instruction (`worker.lower_process_priority`, which it applies again),
-    so that its start-up, torch's import, takes the cores only when training leaves
-    them."""
-    return subprocess.Popen(
-        [sys.executable, "-c", f"from {PERSIST} import serve_on; serve_on()"],
-        stdin=subprocess.PIPE, preexec_fn=_in_child)
+LISTEN_FIRST = """\
+import importlib.util, json, os, signal, sys
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+def load(name):
+    full = "moc.checkpoint.twolevel.persist." + name
+    spec = importlib.util.spec_from_file_location(full, os.path.join(sys.argv[1], name + ".py"))
+    module = sys.modules[full] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+line = sys.stdin.readline()
+if line:
+    load("prestart").serving()
+    order = json.loads(line)
+    listener = load("address").Listener(order["dir"], bytes.fromhex(order["secret"]))
+    from moc.checkpoint.twolevel.persist.server import serve_order
+    serve_order(order, listener)
+"""
+"""A persist process started when it is needed: it reads what to serve, binds the
+job's socket and admits the ranks (`twolevel.persist.address`, loaded by its path:
+stdlib only), and only then imports the server, and torch with it. The rank that
+started it is connected within an interpreter's start, not after torch's import. The
+job's SIGTERM and SIGINT are ignored from the first line, as `serve` ignores them (a
+preemption's final checkpoint needs this process)."""
+
+
+def spawn(listen_first: bool = False) -> subprocess.Popen:
+    """A persist process waiting on stdin for what to serve: imported first (a process
+    started ahead of need: `prestart`), or with `listen_first` listening first
+    (`LISTEN_FIRST`: one needed now). -c rather than -m: it imports only what serving
+    needs. It exits at EOF, unused: when the process that started it ends. It runs at
+    the persist process's low priority from its first instruction
+    (`worker.lower_process_priority`, which it applies again), so that its start-up,
+    torch's import, takes the cores only when training leaves them."""
+    code = LISTEN_FIRST if listen_first else f"from {PERSIST} import serve_on; serve_on()"
+    return subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__)],
+                            stdin=subprocess.PIPE, preexec_fn=_in_child)
 
 
 PR_SET_PDEATHSIG = 1

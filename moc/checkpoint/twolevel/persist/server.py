@@ -38,12 +38,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from queue import Empty, Queue
 
 from moc.checkpoint import codec
+from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.phases import Phases
 from moc.checkpoint.store.backend import ObjectPath
 from moc.checkpoint.store.format import DirectWriter, write_safetensors
@@ -55,7 +55,7 @@ from moc.checkpoint.store.storage import Storage, open_storage
 from moc.checkpoint.store.tidy import tidy
 from moc.checkpoint.twolevel.memory.jobdir import secure_job_dir
 from moc.checkpoint.twolevel.memory.slots import SnapshotStore
-from moc.checkpoint.twolevel.persist.channel import socket_path
+from moc.checkpoint.twolevel.persist.address import Listener
 from moc.checkpoint.twolevel.persist.commit import (
     Abandoned,
     clear_records,
@@ -88,22 +88,31 @@ _MESSAGES = (Hello, Ready, Failed, Persist, Abandon, Stop, Done)
 
 
 def serve_on() -> None:
-    """Entry point of a persist process: wait for one JSON line on stdin saying what to
-    serve (job, root, parent pid, secret as hex), then `serve` it; exit at EOF (the
-    process that started it ended without using it)."""
+    """Entry point of a persist process started ahead of need (`prestart`, imported
+    before it is used): wait for one JSON line on stdin saying what to serve (job, root,
+    parent pid, secret as hex, job directory), then `serve` it; exit at EOF (the process
+    that started it ended without using it)."""
     line = sys.stdin.readline()
     if not line:
         return
     from moc.checkpoint.twolevel.persist.prestart import serving
 
     serving()
-    order = json.loads(line)
-    serve(order["job"], order["root"], int(order["parent"]), bytes.fromhex(order["secret"]))
+    serve_order(json.loads(line))
 
 
-def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> None:
+def serve_order(order: dict[str, str], listener: Listener | None = None) -> None:
+    """`serve` what rank 0 wrote on stdin; `listener`: bound before this module was
+    imported (`prestart.LISTEN_FIRST`), in the job directory rank 0 named."""
+    serve(order["job"], order["root"], int(order["parent"]), bytes.fromhex(order["secret"]),
+          listener)
+
+
+def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None,
+          listener: Listener | None = None) -> None:
     """Entry point of the persist process; `secret` (None: the first line of stdin, as
-    hex, where rank 0 writes it) authenticates every connection."""
+    hex, where rank 0 writes it) authenticates every connection; `listener` (None: bound
+    here) is the socket they come through."""
     from moc.checkpoint.twolevel.snapshot.worker import lower_process_priority
 
     # Its life is its parent's: it ends when rank 0 is gone or asks it to stop. A signal
@@ -119,10 +128,11 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
     # from its own environment.
     storage = open_storage(root)
     jdir = secure_job_dir(job)
-    path = socket_path(jdir)
-    if os.path.lexists(path):
-        os.unlink(path)
-    listener = Listener(path, family="AF_UNIX", authkey=secret)
+    if listener is None:
+        listener = Listener(jdir, secret)
+    elif os.path.realpath(listener.jdir) != os.path.realpath(jdir):
+        raise CheckpointError(f"the persist process listens in {listener.jdir}, not in "
+                              f"job {job!r}'s directory {jdir}")
     inbox: Queue = Queue()
     rank0: list[Connection] = []
     abandoned: set[int] = set()
@@ -152,13 +162,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
             inbox.put(msg)
 
     def accept() -> None:
-        while True:
-            try:
-                conn = listener.accept()  # runs the HMAC challenge both ways
-            except (AuthenticationError, EOFError, ConnectionError):
-                continue  # a client without the secret (or gone mid-handshake)
-            except OSError:
-                return
+        while (conn := listener.accepted.get()) is not None:  # None: closed
             threading.Thread(target=read, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
@@ -207,9 +211,7 @@ def serve(job: str, root: str, parent_pid: int, secret: bytes | None = None) -> 
                 except OSError:
                     return
     finally:
-        # Its socket may be gone with the node's memory (a node fault wipes it).
-        with contextlib.suppress(OSError):
-            listener.close()
+        listener.close()
 
 
 def _alive(pid: int) -> bool:
