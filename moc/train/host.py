@@ -88,6 +88,13 @@ ended holds the abandon for ever). Start-up, the restore, a rejoin's wait for it
 generation's ranks (a replacement machine may take minutes) are watched for heartbeats
 only."""
 POLL_S = 0.02
+TAKEOVER_DRILL_ENV = "MOC_TAKEOVER_DRILL"
+"""Fault injection for drills and tests: the first spare node to reach this point of a
+takeover stops there (says so, then sleeps until it is killed) so that a test can lose
+it at that very moment: `claimed` (its claim on the lost node made, no word yet to its
+hosts), `adopting` (the word given, its process not woken), `woken` (its process woken
+as the lost rank, no lease renewed for it yet)."""
+TAKEOVER_POINTS = ("claimed", "adopting", "woken")
 BOOT = """\
 import importlib.util, os, runpy, sys
 name = "moc.checkpoint.twolevel.persist.prestart"
@@ -310,6 +317,7 @@ class RankHost:
                 node, leases = lost
                 watch.forget(node)
                 if claims.claim(node, leases):
+                    self._drill("claimed", node)
                     self.store.set(f"adopt/{spare}", json.dumps(
                         {"node": node, "leases": leases}))
             if self.store.check([f"adopt/{spare}"]):
@@ -323,6 +331,7 @@ class RankHost:
         """Take the rank of this host's local rank on the lost node: move the job past
         the generation its process was in, and wake the waiting process as that rank."""
         node = word["node"]
+        self._drill("adopting", node)
         rank = node * per_node + int(os.environ.get("LOCAL_RANK", "0"))
         lost = word["leases"][str(rank)]
         self.identity = Identity(rank, world, per_node)
@@ -336,8 +345,23 @@ class RankHost:
         by = "node started again" if os.environ.get(ENV_JOIN) else "spare node"
         self._say(f"{why}; adopted by {by} {os.environ.get('GROUP_RANK')}, process "
                   f"{child.process.pid} in generation {gen}")
+        self._drill("woken", node)
         self.refill_due = bool(self.spares)
         return child
+
+    def _drill(self, point: str, node: int) -> None:
+        """TAKEOVER_DRILL_ENV: stop at `point` of this spare's takeover of `node`, if it
+        is the drill's point and this spare node the first to reach it."""
+        if os.environ.get(TAKEOVER_DRILL_ENV) != point:
+            return
+        spare = os.environ.get("GROUP_RANK", "0")
+        if self.store.compare_set(f"drill/takeover/{point}", "", spare).decode() != spare:
+            return
+        self._say(f"drill: spare node {spare} stops at '{point}' in its takeover of "
+                  f"node {node}")
+        deadline = time.monotonic() + 600  # a drill nobody ends still ends
+        while self.signal is None and time.monotonic() < deadline:
+            time.sleep(POLL_S * 10)
 
     # -- processes -----------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
+from moc.train.host import TAKEOVER_DRILL_ENV, TAKEOVER_POINTS
 from moc.train.machines import machine_pids, parent_of
 from moc.train.metrics import read_events
 
@@ -417,13 +418,14 @@ def _assert_in_job_exact(root: Path, ref_root: Path, label: tuple) -> None:
     assert recoveries and all(e["kind"] == "in-job" for e in recoveries), (label, recoveries)
 
 
-def _in_job_run(root: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _in_job_run(root: Path, *extra: str, env: dict[str, str] | None = None
+                ) -> tuple[subprocess.Popen, Path]:
     """An in-job job on 2 simulated nodes, its stderr to a file (a pipe nobody reads
-    while it runs could fill and stop it)."""
+    while it runs could fill and stop it); `env` added to its environment."""
     log = root / "stderr.log"
     job = subprocess.Popen([*_args(root), "--nodes", "2", "--nproc", "1", "--recovery",
                             "in-job", *extra], stdout=subprocess.DEVNULL,
-                           stderr=log.open("w"))
+                           stderr=log.open("w"), env={**os.environ, **(env or {})})
     return job, log
 
 
@@ -560,6 +562,34 @@ def test_a_spare_lost_as_it_adopts_a_machine_is_replaced_by_the_next_spare_exact
     assert job.wait(timeout=400) == 0, (node, at, log.read_text()[-12000:])
     _assert_in_job_exact(tmp_path, reference, ("spare lost", node, at))
     assert len(set(re.findall(r"adopted by spare node (\d+)", log.read_text()))) == 2
+
+
+@pytest.mark.parametrize("point", TAKEOVER_POINTS)
+def test_a_spare_lost_at_each_point_of_its_takeover_is_replaced_by_the_next_spare(
+        tmp_path, reference, point):
+    """Issue 47, deliver 3: the claimant killed at each point of the takeover, not at a
+    random moment after it. The first spare to claim lost machine 0 or 1 stops at
+    `point` (MOC_TAKEOVER_DRILL: its claim made; the word given to its hosts; its
+    process woken as the lost rank, no lease renewed) and its machine is lost there.
+    The other spare takes the node over and the job finishes exactly."""
+    rng = random.Random(8000 + TAKEOVER_POINTS.index(point))
+    node, at = TAKEOVER_POINTS.index(point) % 2, rng.randint(3, STEPS - 5)
+    job, log = _in_job_run(tmp_path, "--spare-nodes", "2",
+                           env={TAKEOVER_DRILL_ENV: point})
+    _wait_for_step(job, tmp_path, at, log)
+    nodes = _nodes_root(tmp_path)
+    _lose_machine(job, node, nodes)
+    deadline = time.monotonic() + 120
+    pattern = rf"drill: spare node (\d+) stops at '{point}'"
+    while not (stopped := re.search(pattern, log.read_text())):
+        assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+        time.sleep(0.01)
+    claimant = int(stopped.group(1))
+    _lose_machine(job, claimant, nodes)
+    assert job.wait(timeout=400) == 0, (point, node, at, log.read_text()[-12000:])
+    _assert_in_job_exact(tmp_path, reference, ("claimant lost", point, node, at))
+    adopters = set(re.findall(r"adopted by spare node (\d+)", log.read_text()))
+    assert adopters - {str(claimant)}, log.read_text()[-6000:]  # the other spare took it
 
 
 @pytest.fixture(scope="module")
