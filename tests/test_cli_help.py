@@ -15,6 +15,7 @@ import pytest
 import moc
 from moc.bench.simulate import DEFAULT_OVERHEAD
 from moc.cli import BENCHMARKS, build_parser
+from tests.procs import moc_here
 
 # Read from the parser itself, so that a new subcommand is checked without a word here.
 COMMANDS = [["moc", name] for name in build_parser()[1]]
@@ -98,18 +99,25 @@ def test_every_option_of_every_command_says_what_it_does(monkeypatch):
     assert not missing, f"options without help text: {missing}"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("command", [["train"], ["inspect", "DIR"], ["verify", "DIR"],
                                      ["export", "DIR", "OUT"], ["demo"], ["bench", "size"],
                                      ["simulate"]], ids=" ".join)
-def test_an_unknown_option_gets_the_subcommands_usage_and_error(command, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "moc", *command, "--badflag"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+def test_an_unknown_option_gets_the_subcommands_usage_and_error(command, tmp_path,
+                                                                 monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = moc_here(capsys, *command, "--badflag")
     name = " ".join(c for c in command if c.islower())
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith(f"usage: moc {name} "), r.stderr
-    assert r.stderr.rstrip().endswith(f"moc {name}: error: unrecognized arguments: "
-                                      "--badflag"), r.stderr
+    assert code == 2, err
+    assert err.startswith(f"usage: moc {name} "), err
+    assert err.rstrip().endswith(f"moc {name}: error: unrecognized arguments: "
+                                 "--badflag"), err
+
+
+@pytest.mark.integration
+def test_an_unknown_option_exits_2_from_the_real_process(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "moc", "train", "--badflag"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("usage: moc train "), r.stderr
 
 
 def test_init_distributed_outside_torchrun_is_a_no_op(monkeypatch):

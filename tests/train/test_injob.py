@@ -14,6 +14,7 @@ import pytest
 
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
+from tests.procs import moc_here
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
@@ -178,7 +179,8 @@ def test_replacements_are_bounded_and_the_end_is_one_clear_line(tmp_path):
     assert "0 replacements already (--max-replacements): giving up" in r.stderr
 
 
-def test_options_of_in_job_recovery_are_checked_before_anything_starts(tmp_path):
+def test_options_of_in_job_recovery_are_checked_before_anything_starts(tmp_path, capsys):
+    """In this process (moc.cli.main): nothing starts, so no interpreter per case."""
     for args, says in ((["--recovery", "restart", "--spares", "1"],
                         "--spares and --hang-timeout are for --recovery in-job"),
                        (["--recovery", "restart", "--fault-kind", "hang", "--fault-at", "3"],
@@ -190,5 +192,7 @@ def test_options_of_in_job_recovery_are_checked_before_anything_starts(tmp_path)
                         "--hang-timeout must be > 0"),
                        (["--recovery", "in-job", "--ckpt-mode", "dcp-sync"],
                         "--recovery in-job needs a moc engine")):
-        r = train(tmp_path, *args, ok=False)
-        assert r.returncode == 2 and says in r.stderr, (args, r.stderr[-1000:])
+        argv = ["train", "--config", "tiny", "--steps", str(STEPS), "--ckpt-dir",
+                str(tmp_path / "ckpt"), "--device", "cpu", "--no-progress", *args]
+        code, err = moc_here(capsys, *argv)
+        assert code == 2 and says in err, (args, err[-1000:])

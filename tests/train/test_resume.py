@@ -13,6 +13,7 @@ from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.store.manifest import Manifest
 from moc.train.metrics import read_events
 from tests.engines import losses_by_step
+from tests.procs import moc_here
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
@@ -201,9 +202,18 @@ def test_checkpoint_blocks_alternate_with_blocks_without(tmp_path):
     (["--k-persist", "9"], "--k-persist 9 is more than the 4 experts"),
     (["--plt-threshold", "-3"], "plt_threshold must be in (0, 1), got -3"),
 ])
-def test_bad_input_gets_a_one_line_error(args, message):
-    r = moc("train", *args)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    assert r.stderr.strip().count("\n") == 0, r.stderr
-    assert message in r.stderr
+def test_bad_input_gets_a_one_line_error(args, message, capsys):
+    # In this process (moc.cli.main, as `python -m moc` calls it): the checks run before
+    # anything starts, and a new interpreter per case cost 3 s of CI each. The real
+    # process's exit is the next test's.
+    code, err = moc_here(capsys, "train", *args)
+    assert code == 2
+    assert err.strip().count("\n") == 0, err
+    assert message in err
+
+
+def test_a_bad_option_exits_2_with_one_line_from_the_real_process():
+    r = moc("train", "--nproc", "2", "--ep", "3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("moc train: error: ep=3 must divide the number of ranks "
+                                "(2); choose ep from [1, 2]"), r.stderr
