@@ -5,65 +5,20 @@ without faults). Real processes, real SIGKILLs and SIGSTOPs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from moc.train.metrics import read_events
-from tests.engines import losses_by_step
 from tests.procs import moc_here
+from tests.train.injob_runs import STEPS, assert_exact, events, train
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
-STEPS, INTERVAL = 30, 5
-
-
-def moc(*args: str, timeout: float = 300, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moc", *args], capture_output=True,
-                          text=True, timeout=timeout,
-                          env={**os.environ, **env} if env else None)
-
-
-def train(root: Path, *extra: str, ok: bool = True, env: dict[str, str] | None = None
-          ) -> subprocess.CompletedProcess:
-    r = moc("train", "--config", "tiny", "--steps", str(STEPS), "--ckpt-dir",
-            str(root / "ckpt"), "--ckpt-interval", str(INTERVAL), "--k-persist", "1",
-            "--device", "cpu", "--no-progress", "--metrics", str(root / "metrics.jsonl"),
-            *extra, env=env)
-    if ok:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def events(root: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(root / "metrics.jsonl") if e["event"] == kind]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, dict[int, float]]:
-    """The runs without faults the faulted ones must equal: one node of 2 ranks, and 2
-    simulated nodes of one rank."""
-    out = {}
-    for name, layout in (("one", ["--nproc", "2"]),
-                         ("two", ["--nodes", "2", "--nproc", "1"])):
-        root = tmp_path_factory.mktemp(name)
-        train(root, *layout)
-        out[name] = {s: ls[-1] for s, ls in losses_by_step(read_events(
-            root / "metrics.jsonl")).items()}
-    return out
-
-
-def assert_exact(root: Path, reference: dict[int, float]) -> None:
-    """Every step's last loss (the one the run kept) equals the fault-free run's, and
-    every step before a fault and after its recovery was logged."""
-    got = losses_by_step(read_events(root / "metrics.jsonl"))
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert {s: ls[-1] for s, ls in got.items()} == reference
-    assert moc("verify", str(root / "ckpt")).returncode == 0
+@pytest.fixture
+def reference(injob_reference):
+    """The runs without faults the faulted ones must equal (`reference["one"]`, one
+    node of 2 ranks; `["two"]`, 2 simulated nodes of one rank)."""
+    return injob_reference
 
 
 def assert_in_place(root: Path, replaced: list[int], source: str) -> dict:

@@ -19,20 +19,18 @@ import pytest
 from moc.checkpoint.store.steps import complete_steps
 from moc.train.machines import parent_of
 from moc.train.metrics import read_events
-from tests.engines import losses_by_step
-from tests.train.test_injob import STEPS, assert_exact, events, train
+from tests.train.injob_runs import STEPS, assert_exact, events, train
 
 pytestmark = pytest.mark.integration  # real processes: see README, Tests
 
 TWO_NODES = ("--nodes", "2", "--nproc", "1", "--recovery", "in-job")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
-    """The run without faults: 2 simulated nodes of one rank."""
-    root = tmp_path_factory.mktemp("reference")
-    train(root, "--nodes", "2", "--nproc", "1")
-    return {s: ls[-1] for s, ls in losses_by_step(read_events(root / "metrics.jsonl")).items()}
+@pytest.fixture
+def reference(injob_reference) -> dict[int, float]:
+    """The run without faults: 2 simulated nodes of one rank (shared with
+    test_injob.py)."""
+    return injob_reference["two"]
 
 
 class Run:
