@@ -24,12 +24,13 @@ from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.sync import Checkpointer
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.injob.loop import Generation, run
 from moc.topology import ParallelGroups, init_distributed
 
 __version__ = "0.3.0"
 
 __all__ = ["CheckpointEngine", "CheckpointError", "CheckpointResult", "Checkpointer",
-           "CorruptCheckpointError", "ExpertSpec", "ExportReport",
+           "CorruptCheckpointError", "ExpertSpec", "ExportReport", "Generation",
            "IncompatibleCheckpointError", "PECPolicy", "ParallelGroups", "Preemption",
            "RecoveryReport",
-           "RoutingRecorder", "TwoLevelCheckpointer", "export", "init_distributed"]
+           "RoutingRecorder", "TwoLevelCheckpointer", "export", "init_distributed", "run"]

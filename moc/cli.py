@@ -197,6 +197,28 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                       worker_module(cfg), worker_argv(args, parser)))
 
 
+def run_script(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`moc run`: the user's script on `--nproc` ranks of this machine, each under a
+    rank host (`moc.train.host --script`), under torchrun."""
+    from moc.train.agent import run_agent
+
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        parser.error(f"--hang-timeout must be > 0, got {args.hang_timeout}")
+    if not os.path.isfile(args.script):
+        parser.error(f"{args.script}: no such file; give the path of your training script")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    host = ["--script", args.script, "--spares", str(args.spares), "--max-replacements",
+            str(args.max_replacements)]
+    if args.hang_timeout is not None:
+        host += ["--hang-timeout", str(args.hang_timeout)]
+    return run_agent(single_node_argv(args.nproc, args.max_restarts, torchrun_shutdown_s(0.0),
+                                      "moc.train.host", [*host, "--", *args.args]),
+                     command="moc run")
+
+
 def _memory_key(cfg: TrainConfig) -> str | None:
     """What names the simulated nodes' memory of a run (`nodes.sim_root`): its
     checkpoint directory's job id, so that the run started again finds it."""
@@ -376,6 +398,28 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the reference MoE model under torchrun")
     add_train_args(train, launcher=True)
+    run = sub.add_parser(
+        "run", help="run your own training script with in-job recovery: a rank that "
+        "dies or hangs is replaced, the others keep their processes (moc.run)",
+        description="Run SCRIPT on --nproc ranks of this machine under rank hosts: a "
+        "rank that dies or hangs is replaced by a new process, and the others, inside "
+        "moc.run(train), rejoin it and enter train again in the same process "
+        "(docs/guide/recovery.md, 'Your own loop').")
+    run.add_argument("--nproc", type=int, default=2, help="ranks on this machine "
+                     "(default 2)")
+    run.add_argument("--spares", type=int, choices=(0, 1), default=0,
+                     help="a training process per rank started ahead, imported and "
+                          "waiting, to take a lost one's place (default 0)")
+    run.add_argument("--hang-timeout", type=float,
+                     help="seconds without a step (or a heartbeat) before a rank is "
+                          "taken for hung (default: 10 times its median step, at least "
+                          "5 s)")
+    run.add_argument("--max-replacements", type=int, default=100,
+                     help="replacements per rank before the job gives up (default 100)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="torchrun's restarts of the whole job after that (default 0)")
+    run.add_argument("script", help="your training script (it calls moc.run(train))")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     sub.add_parser("demo", help=f"the main job: train with a fault and recover (writes "
                                 f"{DEMO_DIR}/ under the current directory)",
                    description=demo.__doc__)
@@ -455,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             return importlib.import_module(f"moc.bench.{what}").main(args.rest)
         if args.command == "train":
             return launch(args, commands["train"])
+        if args.command == "run":
+            return run_script(args, commands["run"])
         if args.command == "demo":
             return demo()
         if args.command == "inspect":

@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines", ("moc.checkpoint.sync", "moc.checkpoint.twolevel")),
     ("around the engines", ("moc.checkpoint.export", "moc.checkpoint.exportplan",
                             "moc.checkpoint.tools", "moc.checkpoint.preemption")),
+    ("in-job recovery", ("moc.injob",)),
     ("front door", ("moc",)),
     ("framework integrations", ("moc.integrations",)),
     ("reference model", ("moc.model",)),

@@ -168,7 +168,9 @@ class EngineParts:
         return self.chain.layout(self.groups.world_size, self.groups.layout.ep)
 
     def release(self) -> None:
-        """Release the directory lock (the end of `close`; idempotent)."""
+        """Release the directory lock and end the routing recorder the engine's
+        `watch_routing` made (the end of `close` and `abandon`; idempotent)."""
+        self.ledger.end_watch()
         if self.lock is not None:
             self.lock.release()
 

@@ -145,7 +145,9 @@ class RoutingRecorder:
         self._own_ledger = ledger is None
         self.ledger = ledger if ledger is not None else TokenLedger(
             self.spec.n_moe_layers, self.spec.n_experts)
-        self.ledger.watch()  # refuses a second recorder, or one after record_routing
+        # Refuses a second recorder, or one after record_routing; an engine's ledger
+        # ends its recorder with the engine (`TokenLedger.end_watch`).
+        self.ledger.watch(self.remove)
         self._handles: list | None = [
             module.register_forward_hook(hook)
             for m, h in sorted(hooked.items())

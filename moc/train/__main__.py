@@ -24,9 +24,7 @@ from typing import NoReturn
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
-from moc.train.cli_args import add_train_args, config_from_args
-from moc.train.engines import prepare_standby
-from moc.train.injob import (
+from moc.injob.membership import (
     ENV_GEN,
     REJOIN_STATUS,
     first_line,
@@ -35,7 +33,9 @@ from moc.train.injob import (
     nccl_note,
     standby_wait,
 )
-from moc.train.injob import enabled as in_job
+from moc.injob.membership import enabled as in_job
+from moc.train.cli_args import add_train_args, config_from_args
+from moc.train.engines import prepare_standby
 from moc.train.loop import NothingToTrain, Trainer
 
 

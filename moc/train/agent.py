@@ -43,7 +43,7 @@ def parser_accepts(parser: argparse.ArgumentParser, option: str) -> bool:
     return option not in unknown
 
 
-def run_agent(argv: list[str]) -> int:
+def run_agent(argv: list[str], command: str = "moc train") -> int:
     """Run torchrun with `argv` (its own options); its exit status: 0, 1 when workers
     failed (said in one line), or 128 + the signal's number after SIGTERM or SIGINT."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -67,7 +67,7 @@ def run_agent(argv: list[str]) -> int:
             # was exiting itself.)
             return (codes & stopped).pop()
         failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in e.failures.items())
-        print(f"moc train: error: workers failed ({failures})", file=sys.stderr)
+        print(f"{command}: error: workers failed ({failures})", file=sys.stderr)
         return 1
     except SignalException as e:
         return 128 + int(e.sigval)

@@ -275,7 +275,7 @@ class TrainConfig:
         only in-job has was given (spares, a hang timeout, a hang or machine fault: an
         explicit ask, on cuda too), and restart otherwise. On cuda in-job is opt-in
         until a run on two GPUs has shown it: a survivor's NCCL communicators are
-        aborted and re-formed (`moc.train.injob.Communicators`), which only gloo has run
+        aborted and re-formed (`moc.injob.membership.Communicators`), which only gloo has run
         (`injob.nccl_note` says so when it runs). One rank gains nothing from a host:
         torchrun's restart is the same single replacement without the extra process.
         The DCP baselines restart."""

@@ -34,9 +34,14 @@ def forking() -> bool:
     return how == "fork" and hasattr(os, "fork") and not torch.cuda.is_initialized()
 
 
-def preload() -> None:
-    """Import what `python -m moc.train` imports, in the host, before its first fork."""
-    import moc.train.__main__  # noqa: F401
+def preload(script: str | None = None) -> None:
+    """Import what `python -m moc.train` imports (for a `script` of the user's: torch
+    and moc, what every such script imports first), in the host, before its first
+    fork."""
+    if script is not None:
+        import moc
+    else:
+        import moc.train.__main__  # noqa: F401
 
 
 def fork(argv: list[str], env: dict[str, str], keep_fd: int, stdin: bool,
@@ -49,11 +54,40 @@ def fork(argv: list[str], env: dict[str, str], keep_fd: int, stdin: bool,
         os.environ.clear()
         os.environ.update(env)
         from moc.checkpoint.twolevel.persist import prestart
+        from moc.injob.membership import prestarts
         from moc.train.__main__ import main
-        from moc.train.injob import prestarts
 
         if prestarts():
             prestart.prestart(fork=True)  # no thread runs yet: a fork, not an interpreter
         return main(argv)
 
     return fork_child(run, stdin=stdin, keep=(keep_fd,), on_fork=on_fork)
+
+
+def fork_script(script: str, argv: list[str], env: dict[str, str], keep_fd: int,
+                stdin: bool, on_fork: Callable[[], None] | None) -> Forked:
+    """`python script argv` as a child of this host (`moc run`), as `fork` starts
+    `moc.train`; a standby waits for its host's word before the script runs."""
+
+    def run() -> int | None:
+        os.environ.clear()
+        os.environ.update(env)
+        run_script(script, argv)
+        return 0
+
+    return fork_child(run, stdin=stdin, keep=(keep_fd,), on_fork=on_fork)
+
+
+def run_script(script: str, argv: list[str]) -> None:
+    """A user's training script as its own `__main__`, as `python script argv` would run
+    it: a standby first waits for its host's word (the generation, the rank)."""
+    import runpy
+    import sys
+
+    from moc.injob.membership import is_standby, standby_wait
+
+    if is_standby():
+        standby_wait()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")

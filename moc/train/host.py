@@ -9,7 +9,7 @@ torchrun's agent tears every worker of the job down when one of them fails, and 
 re-rendezvous makes every other node's agent restart theirs: the restart that costs a
 fault 7-9 s here and a minute on a GPU cluster. The host stands between: a training
 process that dies is replaced by its host in place, the job moves to the next generation
-of its membership (`moc.train.injob`), and the survivors, whose collectives fail,
+of its membership (`moc.injob.membership`), and the survivors, whose collectives fail,
 re-form their process groups with the newcomer without leaving their processes.
 
 A hang is a fault too. The training process writes a heartbeat every 0.1 s (`injob`);
@@ -44,20 +44,7 @@ from typing import Any
 
 from moc.checkpoint.twolevel.persist import prestart
 from moc.checkpoint.twolevel.persist.forking import Forked
-from moc.train import forked
-from moc.train.injob import (
-    ENV_FD,
-    ENV_GEN,
-    ENV_PRESTART,
-    ENV_STANDBY,
-    ENV_STORE,
-    FINISHED,
-    PREFIX,
-    REJOIN_STATUS,
-    gen_key,
-    next_generation,
-)
-from moc.train.machines import (
+from moc.injob.machines import (
     ENV_JOIN,
     JOB_FINISHED,
     LOST_S,
@@ -69,6 +56,19 @@ from moc.train.machines import (
     lease_gen,
     training_world,
 )
+from moc.injob.membership import (
+    ENV_FD,
+    ENV_GEN,
+    ENV_PRESTART,
+    ENV_STANDBY,
+    ENV_STORE,
+    FINISHED,
+    PREFIX,
+    REJOIN_STATUS,
+    gen_key,
+    next_generation,
+)
+from moc.train import forked
 from moc.train.nodes import die_with_parent
 
 HANG_FACTOR = 10.0
@@ -107,6 +107,12 @@ if os.environ.get("MOC_INJOB_PRESTART") and os.environ.get("LOCAL_RANK", "0") ==
 sys.argv = ["moc.train", *sys.argv[2:]]
 runpy.run_module("moc.train", run_name="__main__", alter_sys=True)
 """
+BOOT_SCRIPT = """\
+import sys
+from moc.train.forked import run_script
+run_script(sys.argv[1], sys.argv[2:])
+"""
+"""A user's script's first lines (`moc run`, new interpreters: MOC_INJOB_START=spawn)."""
 """A training process's first lines: a node's leader starts its persist process ahead
 (`twolevel.persist.prestart`, stdlib only, loaded by its path before anything imports torch), so
 that its import runs beside the training process's own; then `python -m moc.train`."""
@@ -190,8 +196,11 @@ class RankHost:
     """One rank's host (see the module docstring). Owner: its main thread."""
 
     def __init__(self, argv: list[str], spares: int, hang_timeout_s: float | None,
-                 max_replacements: int, prestart: bool = False) -> None:
+                 max_replacements: int, prestart: bool = False,
+                 script: str | None = None) -> None:
         self.argv = argv
+        self.script = script
+        """A user's training script (`moc run`), run with `argv`; None: `moc.train`."""
         self.prestart = prestart
         """Whether a node leader's training process starts its persist process ahead."""
         self.refill_due = False
@@ -212,7 +221,7 @@ class RankHost:
         self.fork = forked.forking()
         """Training processes are forked from this host (`moc.train.forked`)."""
         if self.fork:
-            forked.preload()
+            forked.preload(script)
         self.standby: Child | None = None
         self.signal: int | None = None
         self.child: Child | None = None
@@ -304,7 +313,7 @@ class RankHost:
 
     def _stand_by(self) -> Child | int:
         """A spare node's host: a training process imported and waiting, until this
-        node adopts a lost node (`moc.train.machines`); the woken process, or the exit
+        node adopts a lost node (`moc.injob.machines`); the woken process, or the exit
         status when the job finished (0) or a signal came first."""
         world, per_node = training_world()
         spare = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's: this machine
@@ -378,12 +387,17 @@ class RankHost:
         if self.identity is not None:
             env.update(self.identity.env())
         process: subprocess.Popen | Forked
-        if self.fork:
+        if self.fork and self.script is not None:
+            process = forked.fork_script(self.script, self.argv, env, write, stdin=standby,
+                                         on_fork=die_with_parent())
+        elif self.fork:
             process = forked.fork(self.argv, env, write, stdin=standby,
                                   on_fork=die_with_parent())
         else:
+            boot = ([BOOT_SCRIPT, self.script] if self.script is not None
+                    else [BOOT, prestart.__file__])
             process = subprocess.Popen(
-                [sys.executable, "-c", BOOT, prestart.__file__, *self.argv], env=env,
+                [sys.executable, "-c", *boot, *self.argv], env=env,
                 pass_fds=(write,),
                 stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
                 preexec_fn=die_with_parent())
@@ -424,7 +438,8 @@ class RankHost:
             self.child.process.send_signal(signum)
 
     def _say(self, line: str) -> None:
-        print(f"moc train: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+        command = "moc run" if self.script is not None else "moc train"
+        print(f"{command}: rank {self.rank}: {line}", file=sys.stderr, flush=True)
 
 
 def _signal_name(number: int) -> str:
@@ -447,8 +462,8 @@ def _serve_store() -> Any:
     restart (or the scheduler's) resumes the job from what memory and storage hold."""
     import torch.distributed as dist
 
+    from moc.injob.membership import ENV_NS, connect, namespace
     from moc.topology import COLLECTIVE_TIMEOUT
-    from moc.train.injob import ENV_NS, connect, namespace
 
     if os.environ.get(ENV_JOIN):  # a machine started again: outside torchrun's round
         store = connect()
@@ -494,26 +509,35 @@ def agree_namespace(round_store: Any, rank: int, agent: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`moc.train.host [moc train's options]`: the host of a `moc.train` process, which
+    gets the same options; `moc.train.host --script PATH [host options] -- [args]`
+    (`moc run`): the host of a user's script, which gets `args`."""
     argv = sys.argv[1:] if argv is None else argv
+    script = None
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--hang-timeout", type=float)
     parser.add_argument("--max-replacements", type=int, default=100)
     parser.add_argument("--ckpt-mode", default="moc")
     parser.add_argument("--ckpt-dir")
-    known, _ = parser.parse_known_args(argv)
+    if argv[:1] == ["--script"]:
+        script, ours = argv[1], argv[2:argv.index("--")]
+        known = parser.parse_args(ours)
+        argv = argv[argv.index("--") + 1:]
+    else:
+        known, _ = parser.parse_known_args(argv)
     import torch.distributed as dist
 
     try:
         return RankHost(argv, known.spares, known.hang_timeout, known.max_replacements,
-                        prestart=known.ckpt_mode == "moc" and known.ckpt_dir is not None
-                        ).run()
+                        prestart=(script is None and known.ckpt_mode == "moc"
+                                  and known.ckpt_dir is not None), script=script).run()
     except dist.DistError as e:
         # The job's store is gone: its launcher (or the machine serving it) died, and
         # with it in-job recovery. One line, not a traceback from a lease renewal; the
         # training process goes with this host (`die_with_parent`), and the run started
         # again finds what this node's memory and storage hold (issue 47).
-        from moc.train.injob import first_line
+        from moc.injob.membership import first_line
 
         print(f"moc train: rank {os.environ.get('RANK', '?')}: the job's store is gone "
               f"({first_line(e)}): its launcher, or the machine serving it, died; this "

@@ -25,6 +25,9 @@ from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.twolevel.persist.prestart import prestart
+from moc.injob.machines import lose_machine
+from moc.injob.membership import Membership, first_line, lost_peer, prestarts
+from moc.injob.membership import enabled as in_job
 from moc.parallel import (
     ParallelGroups,
     ShardedAdamW,
@@ -38,9 +41,6 @@ from moc.train.config import TrainConfig
 from moc.train.data import BatchSampler, Corpus, rank_slice, windows
 from moc.train.engines import agree_on_placement, initial_model, make_engine
 from moc.train.evaluate import mean_over_ranks, validation_loss
-from moc.train.injob import Membership, first_line, lost_peer, prestarts
-from moc.train.injob import enabled as in_job
-from moc.train.machines import lose_machine
 from moc.train.metrics import MetricsWriter, RecoveryLog, StepProgress, read_events
 from moc.train.report import RunResult, report_checkpoint, summary
 
@@ -322,7 +322,7 @@ class Trainer:
 
     def run(self) -> RunResult:
         """Train to the last step, then `close` (collective: every rank gets there). In-job
-        recovery (`moc.train.injob`): when a peer is lost, even while the engine closes,
+        recovery (`moc.injob.membership`): when a peer is lost, even while the engine closes,
         this process rejoins the job's next generation and goes on from the newest
         checkpoint, as many times as faults come."""
         lost: Exception | None = None

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel.memory.jobdir import read_owner, record_owner, secure_dir
+from moc.injob.machines import ENV_NODES, JOB_FINISHED
 from moc.train.agent import TORCHRUN_SHUTDOWN_S
-from moc.train.machines import ENV_NODES, JOB_FINISHED
 
-ENV_STORE = "MOC_JOB_STORE"  # moc.train.injob.ENV_STORE (that module imports torch)
+ENV_STORE = "MOC_JOB_STORE"  # moc.injob.membership.ENV_STORE (that module imports torch)
 
 GRACE_S = 30.0
 """After one agent fails, how long the others get to notice (their workers lose a peer
@@ -174,13 +174,13 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     In-job recovery (`module` moc.train.host): the launcher serves the rendezvous' store
     and the job's (MOC_JOB_STORE), as a cluster's rendezvous endpoint would, so that a
     lost machine takes neither with it; `spare_nodes` more agents start, whose hosts
-    stand by to adopt a lost machine's ranks (`moc.train.machines`). An agent SIGKILLed
+    stand by to adopt a lost machine's ranks (`moc.injob.machines`). An agent SIGKILLed
     then is a machine lost, up to `spare_nodes` of them: no failure while a spare takes
     its place, and the survivors, whose exit barrier waits for the lost agent for
     torch's 300 s, are ended once the job's store says the training finished. With
     `machine_restart_s`, a lost machine is started again that many seconds later, as a
     scheduler would: its rank hosts start outside torchrun's rendezvous and adopt the
-    lost machine's ranks (`moc.train.machines`, ENV_JOIN). `memory_key`: see `sim_root`."""
+    lost machine's ranks (`moc.injob.machines`, ENV_JOIN). `memory_key`: see `sim_root`."""
     in_job = module == "moc.train.host"
     try:
         root = sim_root(memory_key)
@@ -369,8 +369,8 @@ def joiner_env(endpoint: str, nodes: int, nproc: int, node: int, local: int
                ) -> dict[str, str]:
     """What torchrun would give a rank host, for one of a machine started again outside
     its rendezvous: no rank of torchrun's (RANK past every training rank), the job's
-    store, and ENV_JOIN (moc.train.machines)."""
-    from moc.train.machines import ENV_JOIN
+    store, and ENV_JOIN (moc.injob.machines)."""
+    from moc.injob.machines import ENV_JOIN
 
     world = nodes * nproc
     return {ENV_STORE: endpoint, ENV_NODES: str(nodes), ENV_JOIN: "1",

@@ -209,6 +209,23 @@ def test_two_level_engine_watches_routing_too(tmp_path):
         hand.source, hand.lost_per_layer, hand.plt)
 
 
+@pytest.mark.parametrize("end", ["close", "abandon"])
+def test_the_recorder_of_an_engine_ends_with_it(tmp_path, end):
+    """`moc.run` makes a new engine on the same model at each generation: the recorder
+    each one's `watch_routing` made must not outlive it, counting into a ledger nobody
+    reads (one more set of hooks per recovery)."""
+    model = _moc_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    for i in range(2):
+        ckpt = Checkpointer(model, optimizer, tmp_path / f"ckpt{i}", policy=PECPolicy(k=1))
+        recorder = ckpt.watch_routing(model)
+        assert sum(len(m._forward_hooks) for m in model.modules()) > hooks
+        getattr(ckpt, end)()
+        assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+        recorder.remove()  # still idempotent
+
+
 # -- (c) the model's outputs and loss are its own -------------------------------------------
 
 @pytest.mark.parametrize("kind", ("moc", *HF))

@@ -48,8 +48,8 @@ from moc.checkpoint.recovery import CheckpointReader
 from moc.checkpoint.spec import parse_expert_key
 from moc.checkpoint.store.manifest import Manifest
 from moc.checkpoint.store.steps import complete_steps
+from moc.injob.machines import machine_pids, parent_of
 from moc.train.host import TAKEOVER_DRILL_ENV, TAKEOVER_POINTS
-from moc.train.machines import machine_pids, parent_of
 from moc.train.metrics import read_events
 
 pytestmark = pytest.mark.slow

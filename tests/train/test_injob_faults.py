@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moc.checkpoint.store.steps import complete_steps
-from moc.train.machines import parent_of
+from moc.injob.machines import parent_of
 from moc.train.metrics import read_events
 from tests.train.injob_runs import STEPS, assert_exact, events, train
 

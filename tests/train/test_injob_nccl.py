@@ -16,10 +16,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from moc.topology import COLLECTIVE_TIMEOUT
-from moc.train import injob
-from moc.train.config import TrainConfig
-from moc.train.injob import (
+from moc.injob import membership as injob
+from moc.injob.membership import (
     COLLECTIVE_FACTOR,
     COLLECTIVE_FLOOR_S,
     ENV_FD,
@@ -38,6 +36,8 @@ from moc.train.injob import (
     set_nccl_timeout,
     should_abort,
 )
+from moc.topology import COLLECTIVE_TIMEOUT
+from moc.train.config import TrainConfig
 
 NCCL_VERSION = "NCCL version 2.21.5"
 CHECK = "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, "

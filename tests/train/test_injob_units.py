@@ -15,9 +15,8 @@ import torch.distributed as dist
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.twolevel.persist import prestart
-from moc.train import host, injob
-from moc.train.config import TrainConfig
-from moc.train.injob import (
+from moc.injob import membership as injob
+from moc.injob.membership import (
     FORM_FACTOR,
     FORM_FLOOR_S,
     REJOIN_STATUS,
@@ -27,6 +26,8 @@ from moc.train.injob import (
     lost_peer,
     next_generation,
 )
+from moc.train import host
+from moc.train.config import TrainConfig
 
 
 def test_broken_connections_and_timeouts_are_lost_peers_and_nothing_else_is():
@@ -265,7 +266,7 @@ def test_a_spare_lost_as_it_claims_a_machine_is_replaced_by_the_next_claim():
     A claim is now per attempt: the same loss found again (LOST_S after that claim, the
     node's leases still those of the dead machine) replaces it, and of several spares
     that find it so, one wins."""
-    from moc.train.machines import Claims
+    from moc.injob.machines import Claims
 
     store = dist.HashStore()
     dead, second, third = Claims(store, 2), Claims(store, 3), Claims(store, 4)
@@ -282,7 +283,7 @@ def test_a_spare_lost_as_it_claims_a_machine_is_replaced_by_the_next_claim():
 def test_a_live_claim_is_never_taken_from_its_claimant():
     """A spare that finds a claim for the first time never replaces it: only a claim it
     already saw, whose node stayed lost for a whole LOST_S since, is a dead one."""
-    from moc.train.machines import Claims
+    from moc.injob.machines import Claims
 
     store = dist.HashStore()
     first, other = Claims(store, 2), Claims(store, 3)

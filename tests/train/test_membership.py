@@ -21,7 +21,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from moc.train.injob import (
+from moc.injob.membership import (
     ENV_FD,
     ENV_GEN,
     ENV_NS,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.integration
 
 RANK_1 = """\
 import datetime, sys
-from moc.train.injob import Membership
+from moc.injob.membership import Membership
 m = Membership(1, 2, step=lambda: 0)
 if sys.argv[1] == "gather":
     m.join("gloo")  # rank 0 never comes
@@ -47,7 +47,7 @@ if sys.argv[1] == "wait":
     sys.exit(4)
 import threading
 import torch.distributed as dist
-from moc.train import injob
+from moc.injob import membership as injob
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 m.groups.backend = sys.argv[1]
 released = threading.Event()

@@ -31,6 +31,7 @@ a 0 that was not measured, and a partial policy warns at the first checkpoint
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ class TokenLedger:
     """A `RoutingRecorder` counts into this ledger (`record_layer`); `record` refuses."""
     _pending: torch.Tensor = field(init=False)
     _warned: bool = field(init=False, default=False)
+    _remove: Callable[[], None] | None = field(init=False, default=None)
+    """The watching recorder's `remove` (`end_watch`)."""
     _recorded: bool = field(init=False, default=False)
     """`record` (the loop's `record_routing`) was called in this run."""
 
@@ -121,9 +124,10 @@ class TokenLedger:
             self._pending = self._pending.to(counts_E.device)
         self._pending[layer] += counts_E.detach()
 
-    def watch(self) -> None:
+    def watch(self, remove: Callable[[], None] | None = None) -> None:
         """A `RoutingRecorder` starts counting into this ledger: refused when one already
-        does, or when the loop records counts itself (either would count twice)."""
+        does, or when the loop records counts itself (either would count twice).
+        `remove`: takes the recorder's hooks off, at `end_watch`."""
         if self.watched:
             raise ValueError("this checkpointer already watches a model's routing; one "
                              "RoutingRecorder counts every MoE layer (remove() it first)")
@@ -131,9 +135,18 @@ class TokenLedger:
             raise ValueError("watch_routing after record_routing would count every token "
                              "twice: use one of them (watch_routing, before the loop)")
         self.watched = True
+        self._remove = remove
 
     def unwatch(self) -> None:
         self.watched = False
+        self._remove = None
+
+    def end_watch(self) -> None:
+        """The engine that owns this ledger ends (closed or abandoned): its recorder's
+        hooks come off the model. A loop that makes a new engine on the same model (in-job
+        recovery, `moc.run`) would otherwise keep counting into every engine it had."""
+        if self._remove is not None:
+            self._remove()
 
     def take_pending(self, wait: bool = True) -> torch.Tensor:
         """This rank's counts since the last checkpoint (on the CPU), reset to zero; the

@@ -1,0 +1,132 @@
+"""`moc run` and `moc.run`: in-job recovery for a loop of one's own (issue 49).
+examples/own_loop.py (its own MoE, DDP on gloo, `moc.TwoLevelCheckpointer`) as its header
+runs it: real processes, a real SIGKILL and SIGSTOP, every loss compared bitwise with
+the run without faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moc
+from moc.model import ModelConfig, Transformer
+from tests.procs import moc_here
+
+pytestmark = pytest.mark.integration  # real processes: moc run, torchrun, the ranks
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "own_loop.py"
+
+
+def _run(*argv: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, f"{argv} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return r
+
+
+def moc_run(out: Path, *extra: str, options: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
+    return _run("-m", "moc", "run", "--nproc", "2", *options, str(EXAMPLE), "--out",
+                str(out), *extra, cwd=out.parent)
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "losses.jsonl").read_text().splitlines()]
+
+
+def assert_exact(out: Path, straight: Path) -> None:
+    r = _run(str(EXAMPLE), "--compare", str(straight), str(out), cwd=out.parent)
+    assert "every loss bitwise equal" in r.stdout
+    assert sorted({e["step"] for e in lines(out)}) == list(range(1, 21))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("own") / "straight"
+    moc_run(out)
+    return out
+
+
+def test_a_killed_rank_is_replaced_and_the_survivor_keeps_its_process(tmp_path, straight):
+    """Rank 1 SIGKILLed at step 12: its host starts a new process, rank 0 leaves the
+    generation inside `moc.run`, rejoins and enters `train` again in the same process;
+    both restore step 10 from memory, and every loss is the run without faults'."""
+    out = tmp_path / "killed"
+    r = moc_run(out, "--fault-at", "12")
+    assert_exact(out, straight)
+    assert "generation 1: resumed from step 10 (memory), lost tokens 0" in r.stdout, r.stdout
+    assert "moc run: rank 1: process" in r.stderr and "died (SIGKILL)" in r.stderr
+    assert "moc: rank 0: lost a peer" in r.stderr, r.stderr[-3000:]
+    logged = lines(out)
+    assert {e["generation"] for e in logged} == {0, 1}
+    assert len({e["pid"] for e in logged}) == 1  # rank 0: one process throughout
+
+
+@pytest.mark.slow  # CI time: the hang detector waits its 5 s floor
+def test_a_stopped_rank_is_replaced_by_its_spare_without_code_in_the_loop(tmp_path,
+                                                                           straight):
+    """SIGSTOP at step 14: no heartbeat (the loop has no moc code for it: the heartbeat
+    counts the optimizer's steps), the host kills it and wakes its spare."""
+    out = tmp_path / "stopped"
+    r = moc_run(out, "--hang-at", "14", options=("--spares", "1"))
+    assert_exact(out, straight)
+    assert "hung (no heartbeat for" in r.stderr and "replaced by its spare" in r.stderr
+    assert len({e["pid"] for e in lines(out)}) == 1
+
+
+def test_the_same_script_under_plain_torchrun_enters_train_once(tmp_path, straight):
+    """Without a rank host `moc.run` joins the job as `moc.init_distributed` does and
+    calls `train` once: the same losses as under `moc run`."""
+    out = tmp_path / "torchrun"
+    _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLE), "--out", str(out), cwd=tmp_path)
+    assert_exact(out, straight)
+    assert {e["generation"] for e in lines(out)} == {0}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--nproc", "0", "x.py"], "--nproc must be >= 1, got 0"),
+    (["--hang-timeout", "0", "x.py"], "--hang-timeout must be > 0, got 0.0"),
+    (["missing.py"], "missing.py: no such file; give the path of your training script"),
+])
+def test_bad_options_of_moc_run_are_one_line(args, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    code, err = moc_here(capsys, "run", *args)
+    assert code == 2 and says in err, err
+
+
+def test_run_in_one_process_enters_train_once_and_closes_its_engine(tmp_path):
+    """No torchrun, no host: one generation, the engine made for it and closed after,
+    its routing recorder's hooks taken off the model with it."""
+    config = ModelConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=1,
+                         d_ffn=8, n_experts=2)
+    model = Transformer(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x_BT = torch.zeros(1, 8, dtype=torch.long)
+    made: list[moc.Checkpointer] = []
+
+    def engine() -> moc.Checkpointer:
+        made.append(moc.Checkpointer(model, optimizer, tmp_path / "ckpt"))
+        return made[-1]
+
+    def train(gen: moc.Generation) -> int:
+        assert (gen.number, gen.rank, gen.world_size, gen.replaced) == (0, 0, 1, [])
+        assert gen.engine is made[0] and gen.engine.restore() is None
+        model(x_BT, x_BT).loss.backward()
+        optimizer.step()
+        gen.engine.save(1, {})
+        return 7
+
+    assert moc.run(train, engine=engine) == 7
+    assert len(made) == 1 and (tmp_path / "ckpt" / "step-00000001" / "manifest.json").exists()
+    # Closed: the directory's lock is free for the next engine.
+    moc.Checkpointer(model, optimizer, tmp_path / "ckpt").close()
