@@ -120,6 +120,12 @@ def run(train: Callable[[Generation[E]], T], *, engine: Callable[[], E] | None =
     Errors that are not a lost peer propagate, the engine abandoned first: its
     snapshots stay in memory for the job started again."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if enabled() and dist.is_initialized():
+        raise RuntimeError(
+            "moc.run under a rank host (moc run) forms the job's process group itself, in "
+            "each generation, but one is already initialised: remove the script's "
+            "init_process_group / moc.init_distributed call before moc.run (without a "
+            "host, moc.run makes it too)")
     if not enabled():
         init_distributed(backend)
         gen = _generation(0, engine, [])

@@ -130,3 +130,21 @@ def test_run_in_one_process_enters_train_once_and_closes_its_engine(tmp_path):
     assert len(made) == 1 and (tmp_path / "ckpt" / "step-00000001" / "manifest.json").exists()
     # Closed: the directory's lock is free for the next engine.
     moc.Checkpointer(model, optimizer, tmp_path / "ckpt").close()
+
+
+def test_a_process_group_made_before_run_under_a_host_is_one_clear_error(tmp_path,
+                                                                        monkeypatch):
+    """Under a host `moc.run` forms the default group in each generation; a script that
+    made one first would have failed inside torch ("already initialized")."""
+    import torch.distributed as dist
+
+    from moc.injob.membership import ENV_FD
+
+    monkeypatch.setenv(ENV_FD, "99")  # as a rank host sets it
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="remove the script's init_process_group"):
+            moc.run(lambda gen: None)
+    finally:
+        dist.destroy_process_group()
