@@ -105,8 +105,9 @@ def test_bad_options_of_moc_run_are_one_line(args, says, capsys, tmp_path, monke
 
 
 def test_run_in_one_process_enters_train_once_and_closes_its_engine(tmp_path):
-    """No torchrun, no host: one generation, the engine made for it and closed after,
-    its routing recorder's hooks taken off the model with it."""
+    """No torchrun, no host: one generation, the engine made for it and closed after
+    (the directory's lock free again). That a closed engine's routing recorder leaves
+    the model is tests/checkpoint/test_routing.py's."""
     config = ModelConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=1,
                          d_ffn=8, n_experts=2)
     model = Transformer(config)
