@@ -143,8 +143,9 @@ def test_device_cuda_without_a_gpu_is_refused_before_any_worker_starts():
 def test_a_node_lost_without_restarts_fails_the_job_and_still_removes_the_memory(tmp_path):
     r = moc("train", "--nodes", "2", "--nproc", "1", "--config", "tiny", "--steps", "8",
             "--ckpt-mode", "none", "--device", "cpu", "--no-progress", "--fault-kind", "node",
-            "--fault-node", "1", "--fault-at", "3", "--metrics", str(tmp_path / "m.jsonl"))
-    assert r.returncode == 1
+            "--fault-node", "1", "--fault-at", "3", "--metrics", str(tmp_path / "m.jsonl"),
+            "--recovery", "restart")  # in-job (the default here) would replace the node
+    assert r.returncode == 1, r.stderr[-3000:]
     assert "moc train: error: simulated nodes failed (" in r.stderr
     assert "node 1: exit 1" in r.stderr
     events = read_events(tmp_path / "m.jsonl")
@@ -256,8 +257,8 @@ def test_a_running_launchers_memory_outlives_another_jobs_cleanup_however_old(tm
         record = ProcessId.of(os.getpid()).to_json() | {"pid": dead_pid()}
         (dead / OWNER).write_text(json.dumps(record))
         claim = subprocess.run(
-            [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.jobdir import claim_job"
-             "remove_stale_jobs; print(sorted(p.name for p in remove_stale_jobs('other')))"
+            [sys.executable, "-c", "from moc.checkpoint.twolevel.memory.jobdir import claim_job,"
+             " remove_stale_jobs; print(sorted(p.name for p in remove_stale_jobs('other')))"
              "; claim_job('other')"], env=env, capture_output=True, text=True, timeout=120)
         assert claim.returncode == 0, claim.stderr[-2000:]
         assert claim.stdout.strip() == "['moc-nodes-dead']"
