@@ -82,8 +82,21 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _rank_pid(rank: int) -> int | None:
-    for pid in _pids("-m moc.train"):
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _rank_pid(rank: int, job: int) -> int | None:
+    """Rank `rank`'s training process in the job whose launcher is `job`."""
+    for pid in (p for p in _pids("-m moc.train") if _descends(p, job)):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -147,18 +160,18 @@ def test_a_kill_at_any_moment_never_restores_wrongly(tmp_path, reference, seed):
                  if e["event"] == "step"]
         if steps and max(steps) >= kill_step:
             time.sleep(delay)
-            if target == "persist":
-                pid = (_pids("moc.checkpoint.twolevel.persist.server import serve_on")[:1]
-                       or [None])[0]
+            if target == "persist":  # this job's (`prestart.LISTEN_FIRST`), not another's
+                pid = next((p for p in _pids("twolevel.persist.server import serve_order")
+                            if _descends(p, job.pid)), None)
             else:
-                pid = _rank_pid(int(target[-1]))
+                pid = _rank_pid(int(target[-1]), job.pid)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = pid
         time.sleep(0.01)
     job.wait(timeout=240)
-    if target != "persist":  # a rank is always up at the kill step: it must have died
-        assert killed is not None, (target, kill_step)
+    # A rank and the persist process are always up at the kill step: one must have died.
+    assert killed is not None, (target, kill_step)
     if target == "persist" and killed is not None:
         # The persist process is restarted: checkpoints reach storage again after the
         # kill, or the job says it failed; never a success with its checkpoints in memory.
@@ -239,7 +252,7 @@ def test_a_sigterm_at_any_moment_keeps_the_last_step_and_resumes_exactly(tmp_pat
                     job.send_signal(signal.SIGTERM)
                 elif target == "group":
                     os.killpg(job.pid, signal.SIGTERM)
-                elif (pid := _rank_pid(1)) is not None:
+                elif (pid := _rank_pid(1, job.pid)) is not None:
                     os.kill(pid, signal.SIGTERM)
             sent = True
         time.sleep(0.01)

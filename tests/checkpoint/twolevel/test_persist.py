@@ -170,12 +170,37 @@ def _broken_torch(tmp_path, body: str) -> str:
 
 
 def test_a_persist_process_dead_at_start_is_one_clear_error(tmp_path, monkeypatch):
+    """It dies before it listens (in the standard library's `queue`, which its listener
+    imports, shadowed in that process alone). One that dies in torch's import instead
+    may have admitted rank 0 already (it listens first): its first persist then ends
+    as PERSIST_GONE, the restart path."""
     claim_job(JOB)
-    monkeypatch.setenv("PYTHONPATH", _broken_torch(tmp_path, "raise SystemExit(3)"))
+    monkeypatch.setenv("PYTHONPATH", _shadowed(tmp_path, "queue", "raise SystemExit(3)"))
     with pytest.raises(CheckpointError, match=r"persist process exited with code 3 as it "
                                               r"started, before rank 0 connected to "
                                               r".*persist.sock"):
         PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
+
+
+def test_a_persist_process_dead_in_its_import_is_a_clear_error_or_a_lost_persist(
+        tmp_path, monkeypatch):
+    """Torch's import fails in the persist process, which listens first: rank 0 is
+    refused at once (it died before rank 0 was admitted), or admitted and its first
+    persist ends as PERSIST_GONE (kept in memory, the process restarted for the next):
+    never a persist that waits, nor one reported done."""
+    claim_job(JOB)
+    monkeypatch.setenv("PYTHONPATH", _broken_torch(tmp_path, "raise SystemExit(3)"))
+    try:
+        client = PersistClient(JOB, open_storage(tmp_path / "ckpt"), 0)
+    except CheckpointError as e:
+        assert "exited with code 3 as it started" in str(e)
+        return
+    try:
+        client.send(Persist(5, None, _template(5), node_ranks=1))
+        (done,) = client.receive(5, block=True)
+        assert not done.ok and done.error == PERSIST_GONE
+    finally:
+        client.stop(at_once=True)
 
 
 def test_a_persist_process_that_never_listens_is_killed_not_leaked(tmp_path, monkeypatch):

@@ -44,9 +44,12 @@ from moc.checkpoint.twolevel.persist.watch import LOOK_S, PersistWatch, process_
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 60.0
-"""How long a rank waits for its node's persist process to listen (it starts in about a
-second: a fresh interpreter importing torch). Rank 0 stops waiting as soon as the
-process exits."""
+"""How long a rank waits for its node's persist process to listen (an interpreter's
+start: it listens before its import of torch ends, `prestart.LISTEN_FIRST`). Rank 0
+stops waiting as soon as the process exits."""
+CONNECT_POLL_S = 0.01
+"""Between tries to connect: a process that listens within tens of milliseconds is
+found within one more (an engine built in a recovery waited 50 ms per miss)."""
 STOP_TIMEOUT_S = 60.0
 """How long close() lets the persist process finish and exit before killing it (a
 stopped one is killed at once: it can neither finish nor exit)."""
@@ -108,7 +111,7 @@ class PersistClient:
         # On the spawner's thread, whose scheduling class a new process inherits (the
         # prestarted one taken is replaced there too).
         process = self._spawner.submit(
-            lambda: prestart.take() or prestart.spawn(listen_first=True)).result()
+            lambda: prestart.take() or prestart.spawn()).result()
         self.process = process
         try:
             assert process.stdin is not None
@@ -308,11 +311,12 @@ def _connect(jdir: Path, secret: Callable[[], bytes | None],
         if key is not None:
             try:
                 return Client(path, family="AF_UNIX", authkey=key)
-            except (FileNotFoundError, ConnectionRefusedError, AuthenticationError):
-                pass
+            except (FileNotFoundError, ConnectionRefusedError, AuthenticationError,
+                    EOFError, ConnectionResetError, BrokenPipeError):
+                pass  # not listening yet, or gone mid-handshake: the loop looks again
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"no persist process answered on {jdir / 'persist.sock'} within "
                 f"{timeout_s:.0f} s; rank 0 starts it: look for rank 0's error, or a "
                 "second job using the same checkpoint directory")
-        time.sleep(0.05)
+        time.sleep(CONNECT_POLL_S)

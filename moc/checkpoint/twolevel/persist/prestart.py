@@ -3,8 +3,9 @@ can start one before it imports torch (`moc.train.host` loads this file first).
 
     prestart()        have one persist process of this process's waiting, imported
     take()            the waiting one, if any
-    spawn()           a persist process now (what to serve on stdin); listen_first=True:
-                      it admits the ranks before it imports torch (`LISTEN_FIRST`)
+    needed()          whether an engine of this process ever asked for one
+    spawn()           a persist process now (what to serve on stdin): it admits the
+                      ranks as soon as told, importing torch meanwhile (`LISTEN_FIRST`)
 
 A node leader's engine needs its persist process up before the engine is built
 (`PersistExecutor.start`), and a new persist process costs an interpreter and torch's
@@ -30,10 +31,12 @@ PERSIST = "moc.checkpoint.twolevel.persist.server"
 """The persist process's module, named (it imports this one)."""
 _waiting: list[Any] = []
 """subprocess.Popen, or moc.checkpoint.twolevel.persist.forking.Forked."""
+_needed = False
+"""Whether an engine of this process asked for a persist process (`take`)."""
 
 
 LISTEN_FIRST = """\
-import importlib.util, json, os, signal, sys
+import importlib, importlib.util, json, os, signal, sys, threading
 for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, signal.SIG_IGN)
 def load(name):
@@ -42,32 +45,43 @@ def load(name):
     module = sys.modules[full] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+prestart, address = load("prestart"), load("address")
+def imports():
+    try:
+        importlib.import_module("moc.checkpoint.twolevel.persist.server")
+    except BaseException:
+        pass  # the main thread's import below raises it again, and reports it
+importing = threading.Thread(target=imports, daemon=True)
+importing.start()
 line = sys.stdin.readline()
 if line:
-    load("prestart").serving()
+    prestart.serving()
     order = json.loads(line)
-    listener = load("address").Listener(order["dir"], bytes.fromhex(order["secret"]))
+    listener = address.Listener(order["dir"], bytes.fromhex(order["secret"]))
+    importing.join()
     from moc.checkpoint.twolevel.persist.server import serve_order
     serve_order(order, listener)
 """
-"""A persist process started when it is needed: it reads what to serve, binds the
+"""Every persist process started as a new interpreter: it imports the server, and torch
+with it, on a thread, from its first instruction; when told what to serve it binds the
 job's socket and admits the ranks (`twolevel.persist.address`, loaded by its path:
-stdlib only), and only then imports the server, and torch with it. The rank that
-started it is connected within an interpreter's start, not after torch's import. The
-job's SIGTERM and SIGINT are ignored from the first line, as `serve` ignores them (a
-preemption's final checkpoint needs this process)."""
+stdlib only) at once, imported or not, and serves once the import is done. So a rank
+that takes it connects within an interpreter's start, whether it was started when
+needed or ahead of need and is still importing (a fault soon after a recovery: a
+survivor's engine waited 0.9 s for the import of the one prestarted after the first
+steps, issue 49). The job's SIGTERM and SIGINT are ignored from the first line, as
+`serve` ignores them (a preemption's final checkpoint needs this process)."""
 
 
-def spawn(listen_first: bool = False) -> subprocess.Popen:
-    """A persist process waiting on stdin for what to serve: imported first (a process
-    started ahead of need: `prestart`), or with `listen_first` listening first
-    (`LISTEN_FIRST`: one needed now). -c rather than -m: it imports only what serving
-    needs. It exits at EOF, unused: when the process that started it ends. It runs at
-    the persist process's low priority from its first instruction
-    (`worker.lower_process_priority`, which it applies again), so that its start-up,
-    torch's import, takes the cores only when training leaves them."""
-    code = LISTEN_FIRST if listen_first else f"from {PERSIST} import serve_on; serve_on()"
-    return subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__)],
+def spawn() -> subprocess.Popen:
+    """A persist process waiting on stdin for what to serve, listening first and
+    importing meanwhile (`LISTEN_FIRST`): ahead of need (`prestart`) or needed now.
+    -c rather than -m: it imports only what serving needs. It exits at EOF, unused:
+    when the process that started it ends. It runs at the persist process's low
+    priority from its first instruction (`worker.lower_process_priority`, which it
+    applies again), so that its start-up, torch's import, takes the cores only when
+    training leaves them."""
+    return subprocess.Popen([sys.executable, "-c", LISTEN_FIRST, os.path.dirname(__file__)],
                             stdin=subprocess.PIPE, preexec_fn=_in_child)
 
 
@@ -110,6 +124,12 @@ def prestart(fork: bool = False) -> None:
         _waiting.append(_fork() if fork else spawn())
 
 
+def needed() -> bool:
+    """Whether this process has built an engine that serves from a persist process: a
+    loop that does not say what engine it uses (`moc.run`) prestarts only then."""
+    return _needed
+
+
 def serving() -> None:
     """In a prestarted persist process, once it was given what to serve: from now on
     its life is that of the engine it serves (`persist.serve` watches its parent), not
@@ -130,6 +150,8 @@ def _fork() -> Any:
 
 def take() -> subprocess.Popen | None:
     """The waiting persist process (None: none, or it died)."""
+    global _needed
+    _needed = True
     while _waiting:
         process = _waiting.pop()
         if process.poll() is None:
