@@ -5,11 +5,14 @@ an `experts` ModuleList), DDP on gloo, `moc.TwoLevelCheckpointer`, under `moc ru
     moc run --nproc 2 examples/own_loop.py --out runs/own-straight
     python examples/own_loop.py --compare runs/own-straight runs/own
 
-Rank 1 SIGKILLs itself at step 12 (`--fault-at`; `--hang-at` SIGSTOPs it instead). Its
-host starts a new process; rank 0 keeps its own: its next collective fails, `moc.run`
-leaves the generation, rejoins with the newcomer and enters `train` again, where both
-restore from memory. Every loss equals the uninterrupted run's, bit for bit
-(`--compare`), and each line of losses.jsonl says which process logged it.
+Rank 1 SIGKILLs itself at step 12 (`--fault-at`; `--hang-at` SIGSTOPs it instead;
+`--fault KIND:RANK:STEP`, repeated, strikes once per generation: the first in generation
+0, the next in generation 1, ...). Its host starts a new process; rank 0 keeps its own:
+its next collective fails, `moc.run` leaves the generation, rejoins with the newcomer
+and enters `train` again, where both restore from memory. Every loss equals the
+uninterrupted run's, bit for bit (`--compare`); each line of losses.jsonl says which
+process logged it, in which generation and when, and pids.jsonl which process each rank
+ran in each generation.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -77,9 +81,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps to train (default 20)")
     p.add_argument("--fault-at", type=int, help="rank 1 SIGKILLs itself at this step")
     p.add_argument("--hang-at", type=int, help="rank 1 SIGSTOPs itself at this step")
+    p.add_argument("--fault", type=fault, action="append", default=[],
+                   metavar="KIND:RANK:STEP", help="kill or stop rank RANK at STEP; the "
+                   "i-th --fault strikes in generation i (repeat it)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"),
                    help="say whether two runs' losses are bitwise equal, and exit")
     args = p.parse_args()
+    args.fault[:0] = [("kill", 1, args.fault_at)] * (args.fault_at is not None) + [
+        ("stop", 1, args.hang_at)] * (args.hang_at is not None)
     if args.compare:
         a, b = (last_losses(d) for d in args.compare)
         same = a == b
@@ -100,10 +109,13 @@ def main() -> None:
             print(f"generation {gen.number}: resumed from step {report.step} "
                   f"({report.source}), lost tokens {report.lost_tokens}", flush=True)
         losses = open(args.out / "losses.jsonl", "a") if gen.rank == 0 else None  # noqa: SIM115
+        with open(args.out / "pids.jsonl", "a") as f:  # who trains in this generation
+            f.write(json.dumps({"generation": gen.number, "rank": gen.rank,
+                                "pid": os.getpid()}) + "\n")
+        strike = args.fault[gen.number] if gen.number < len(args.fault) else None
         for step in range(start + 1, args.steps + 1):
-            if gen.number == 0 and gen.rank == 1 and step in (args.fault_at, args.hang_at):
-                os.kill(os.getpid(), signal.SIGKILL if step == args.fault_at
-                        else signal.SIGSTOP)
+            if strike is not None and strike[1:] == (gen.rank, step):
+                os.kill(os.getpid(), signal.SIGKILL if strike[0] == "kill" else signal.SIGSTOP)
             idx = batch(step, gen.rank)
             loss = nn.functional.cross_entropy(ddp(idx[:-1]), idx[1:])
             loss.backward()
@@ -116,12 +128,21 @@ def main() -> None:
             if losses is not None:
                 value = mean.item() / gen.world_size
                 losses.write(json.dumps({"step": step, "hex": value.hex(),
-                                         "generation": gen.number, "pid": os.getpid()})
+                                         "generation": gen.number, "pid": os.getpid(),
+                                         "t": time.time()})
                              + "\n")
                 losses.flush()
 
     moc.run(train, engine=lambda: moc.TwoLevelCheckpointer(
         model, optimizer, args.out / "ckpt", policy=moc.PECPolicy(k=1), interval=5))
+
+
+def fault(text: str) -> tuple[str, int, int]:
+    """`--fault KIND:RANK:STEP`, e.g. kill:1:12 or stop:0:9."""
+    kind, rank, step = text.split(":")
+    if kind not in ("kill", "stop"):
+        raise argparse.ArgumentTypeError(f"{text}: KIND is kill or stop")
+    return kind, int(rank), int(step)
 
 
 def last_losses(out: Path) -> dict[int, str]:

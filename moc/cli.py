@@ -17,7 +17,7 @@ from moc.checkpoint.errors import CheckpointError
 from moc.compat import has_dcp_async_staging
 from moc.progress import progress
 from moc.train.agent import TORCHRUN_SHUTDOWN_S, torchrun_accepts
-from moc.train.cli_args import add_train_args, config_from_args, worker_argv
+from moc.train.cli_args import add_launcher_args, add_train_args, config_from_args, worker_argv
 from moc.train.config import TrainConfig
 
 DEMO_DIR = Path("runs/demo")
@@ -26,6 +26,26 @@ DEMO_DIR = Path("runs/demo")
 class RunComplete(Exception):
     """`moc train` of a run whose checkpoint directory is already at --steps: nothing to
     do, and nothing wrong (a scheduler that starts a finished job again)."""
+
+
+def check_launch(nproc: int, nodes: int, spare_nodes: int, machine_restart_s: float | None,
+                 in_job: bool, recovery: str = " and --recovery in-job") -> None:
+    """Where the ranks run (`moc train`'s and `moc run`'s launcher options), checked
+    before anything starts: ValueError with the one line to show."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if spare_nodes < 0:
+        raise ValueError(f"--spare-nodes must be >= 0, got {spare_nodes}")
+    if spare_nodes and (nodes < 2 or not in_job):
+        raise ValueError(f"--spare-nodes {spare_nodes} stands machines by for in-job "
+                         f"recovery across machines: it needs --nodes 2 or more{recovery}")
+    if machine_restart_s is not None and (nodes < 2 or not in_job
+                                          or not machine_restart_s >= 0):
+        raise ValueError(f"--machine-restart-s {machine_restart_s:g} starts a lost machine "
+                         "again for in-job recovery across machines: it needs --nodes 2 or "
+                         f"more{recovery} and a number of seconds >= 0")
 
 
 def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
@@ -38,23 +58,10 @@ def check_train_config(cfg: TrainConfig, nproc: int, nodes: int = 1,
     from moc.topology import ParallelLayout
     from moc.train.data import Corpus
 
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if nodes < 1:
-        raise ValueError(f"--nodes must be >= 1, got {nodes}")
     world = nodes * nproc
+    check_launch(nproc, nodes, spare_nodes, machine_restart_s,
+                 in_job=cfg.resolve_recovery(max(world, 1)) == "in-job")
     ParallelLayout(world, cfg.resolve_ep(world), cfg.model.n_experts)
-    if spare_nodes and (nodes < 2 or cfg.resolve_recovery(world) != "in-job"):
-        raise ValueError(f"--spare-nodes {spare_nodes} stands machines by for in-job "
-                         "recovery across machines: it needs --nodes 2 or more and "
-                         "--recovery in-job")
-    if spare_nodes < 0:
-        raise ValueError(f"--spare-nodes must be >= 0, got {spare_nodes}")
-    if machine_restart_s is not None and (nodes < 2 or cfg.resolve_recovery(world) != "in-job"
-                                          or not machine_restart_s >= 0):
-        raise ValueError(f"--machine-restart-s {machine_restart_s:g} starts a lost machine "
-                         "again for in-job recovery across machines: it needs --nodes 2 or "
-                         "more, in-job recovery and a number of seconds >= 0")
     if cfg.fault_kind == "machine" and not spare_nodes and machine_restart_s is None:
         raise ValueError("--fault-kind machine loses a machine for good: give "
                          "--spare-nodes 1 for one to take its place, or "
@@ -198,25 +205,37 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def run_script(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`moc run`: the user's script on `--nproc` ranks of this machine, each under a
-    rank host (`moc.train.host --script`), under torchrun."""
+    """`moc run`: the user's script on `--nproc` ranks per node, each under a rank host
+    (`moc.train.host --script`), under torchrun; with `--nodes N` > 1, N torchrun
+    agents, one per simulated machine, as `moc train --nodes` runs them."""
     from moc.train.agent import run_agent
 
-    if args.nproc < 1:
-        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    try:
+        check_launch(args.nproc, args.nodes, args.spare_nodes, args.machine_restart_s,
+                     in_job=True, recovery="")
+    except ValueError as e:
+        parser.error(str(e))
     if args.hang_timeout is not None and args.hang_timeout <= 0:
         parser.error(f"--hang-timeout must be > 0, got {args.hang_timeout}")
     if not os.path.isfile(args.script):
         parser.error(f"{args.script}: no such file; give the path of your training script")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    ranks = args.nodes * args.nproc
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     host = ["--script", args.script, "--spares", str(args.spares), "--max-replacements",
             str(args.max_replacements)]
     if args.hang_timeout is not None:
         host += ["--hang-timeout", str(args.hang_timeout)]
+    worker = [*host, "--", *args.args]
+    if args.nodes > 1:
+        from moc.train.nodes import run_nodes
+
+        return run_nodes(args.nodes, args.nproc, args.max_restarts, worker,
+                         module="moc.train.host", spare_nodes=args.spare_nodes,
+                         machine_restart_s=args.machine_restart_s,
+                         shutdown_s=torchrun_shutdown_s(0.0), command="moc run")
     return run_agent(single_node_argv(args.nproc, args.max_restarts, torchrun_shutdown_s(0.0),
-                                      "moc.train.host", [*host, "--", *args.args]),
-                     command="moc run")
+                                      "moc.train.host", worker), command="moc run")
 
 
 def _memory_key(cfg: TrainConfig) -> str | None:
@@ -387,7 +406,7 @@ def parse_size(text: str) -> int:
 
 
 BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage", "dtensor",
-              "trainer", "loop")
+              "trainer", "loop", "injob")
 """`moc bench WHAT`: each is the module moc.bench.WHAT, with its own options."""
 
 
@@ -401,12 +420,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     run = sub.add_parser(
         "run", help="run your own training script with in-job recovery: a rank that "
         "dies or hangs is replaced, the others keep their processes (moc.run)",
-        description="Run SCRIPT on --nproc ranks of this machine under rank hosts: a "
+        description="Run SCRIPT on --nproc ranks per node (--nodes simulated machines on "
+        "this host, default 1) under rank hosts: a "
         "rank that dies or hangs is replaced by a new process, and the others, inside "
         "moc.run(train), rejoin it and enter train again in the same process "
         "(docs/guide/recovery.md, 'Your own loop').")
-    run.add_argument("--nproc", type=int, default=2, help="ranks on this machine "
-                     "(default 2)")
+    add_launcher_args(run)
     run.add_argument("--spares", type=int, choices=(0, 1), default=0,
                      help="a training process per rank started ahead, imported and "
                           "waiting, to take a lost one's place (default 0)")
@@ -416,8 +435,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                           "5 s)")
     run.add_argument("--max-replacements", type=int, default=100,
                      help="replacements per rank before the job gives up (default 100)")
-    run.add_argument("--max-restarts", type=int, default=0,
-                     help="torchrun's restarts of the whole job after that (default 0)")
     run.add_argument("script", help="your training script (it calls moc.run(train))")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     sub.add_parser("demo", help=f"the main job: train with a fault and recover (writes "
@@ -471,8 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print("usage: moc bench {size,overhead,accuracy,persist,profile,outage,dtensor,"
-              "trainer,loop} "
+        print(f"usage: moc bench {{{','.join(BENCHMARKS)}}} "
               "[options]\n\n"
               "  size      checkpoint size per strategy (blocking, PEC K, sharding)\n"
               "  overhead  stall and throughput of every checkpoint mode, side by side\n"
@@ -482,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
               "  profile   where one checkpoint's wall and CPU time goes, phase by phase\n"
               "  dtensor   host memory and bytes of a save on FSDP2 + DTensor EP\n"
               "  trainer   transformers.Trainer: moc vs its own save_steps, step times\n"
-              "  loop      a checkpoint every step, phase by phase on the training thread\n\n"
+              "  loop      a checkpoint every step, phase by phase on the training thread\n"
+              "  injob     downtime per fault: your own loop under moc run vs moc train\n\n"
               "`moc bench WHAT --help` lists the options of each.")
         return 0 if len(argv) > 1 else 2
     if argv[:1] == ["simulate"]:

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moc.checkpoint.api import CheckpointEngine
-from moc.injob.membership import Membership, enabled, first_line, lost_peer
+from moc.checkpoint.twolevel.persist import prestart
+from moc.injob.membership import Membership, enabled, first_line, lost_peer, prestarts
 from moc.topology import init_distributed
 
 T = TypeVar("T")
@@ -91,8 +92,9 @@ class _Steps:
         m = self.membership
         if m is None:
             return
-        if self.last is not None and m.phase == "train":
-            m.stepped(now - self.last)
+        if (self.last is not None and m.phase == "train" and m.stepped(now - self.last)
+                and prestarts() and prestart.needed()):
+            prestart.prestart()  # training is back: the next engine's persist process
         m.phase = "train"  # steps follow each other from here: a stall is a hang
         self.last = now
         m.check()  # NCCL: the heartbeat thread aborted this generation's communicators

@@ -10,25 +10,30 @@ from moc.train.config import CKPT_MODES, PRESETS, TrainConfig
 LAUNCHER_OPTIONS = ("nodes", "nproc", "max_restarts", "spare_nodes", "machine_restart_s")
 
 
+def add_launcher_args(p: argparse.ArgumentParser) -> None:
+    """Where the ranks run (LAUNCHER_OPTIONS): `moc train`'s and `moc run`'s, the same."""
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated machines on this host (default 1): one torchrun "
+                        "agent each, with its own node-local memory; --nproc ranks "
+                        "per node")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks to start per node via torchrun (default 2)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="times torchrun restarts the job after a fault (default 0)")
+    p.add_argument("--spare-nodes", type=int, default=0,
+                   help="in-job, with --nodes: standby machines (a torchrun agent "
+                        "each, its hosts holding a training process ready) that take "
+                        "over every rank of a machine lost (default 0)")
+    p.add_argument("--machine-restart-s", type=float, metavar="S",
+                   help="in-job, with --nodes: a lost machine (its agent SIGKILLed) is "
+                        "started again S seconds later, as a scheduler would, and its "
+                        "hosts adopt its ranks without restarting the survivors (after "
+                        "the spare nodes, if any, are used up)")
+
+
 def add_train_args(p: argparse.ArgumentParser, launcher: bool) -> None:
     if launcher:
-        p.add_argument("--nodes", type=int, default=1,
-                       help="simulated machines on this host (default 1): one torchrun "
-                            "agent each, with its own node-local memory; --nproc ranks "
-                            "per node")
-        p.add_argument("--nproc", type=int, default=2,
-                       help="ranks to start per node via torchrun (default 2)")
-        p.add_argument("--max-restarts", type=int, default=0,
-                       help="times torchrun restarts the job after a fault (default 0)")
-        p.add_argument("--spare-nodes", type=int, default=0,
-                       help="in-job, with --nodes: standby machines (a torchrun agent "
-                            "each, its hosts holding a training process ready) that take "
-                            "over every rank of a machine lost (default 0)")
-        p.add_argument("--machine-restart-s", type=float, metavar="S",
-                       help="in-job, with --nodes: a lost machine (its agent SIGKILLed) is "
-                            "started again S seconds later, as a scheduler would, and its "
-                            "hosts adopt its ranks without restarting the survivors (after "
-                            "the spare nodes, if any, are used up)")
+        add_launcher_args(p)
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
                    help="model and schedule preset (default tiny)")
     p.add_argument("--steps", type=int, help="total optimizer steps (preset default)")

@@ -39,9 +39,19 @@ def preload(script: str | None = None) -> None:
     and moc, what every such script imports first), in the host, before its first
     fork."""
     if script is not None:
-        import moc
+        warm_script()
     else:
         import moc.train.__main__  # noqa: F401
+
+
+def warm_script() -> None:
+    """What a user's script pays for on its first steps, paid ahead (in the host before
+    it forks, or by a spare while it waits): torch and moc, and torch._dynamo, which an
+    optimizer's constructor imports on its first call (1.25 s on the project's VM: a
+    spare's script building its optimizer after a fault spent it inside the downtime)."""
+    import torch._dynamo  # noqa: F401
+
+    import moc  # noqa: F401
 
 
 def fork(argv: list[str], env: dict[str, str], keep_fd: int, stdin: bool,
@@ -84,10 +94,14 @@ def run_script(script: str, argv: list[str]) -> None:
     import runpy
     import sys
 
-    from moc.injob.membership import is_standby, standby_wait
+    from moc.checkpoint.twolevel.persist import prestart
+    from moc.injob.membership import is_standby, prestarts, standby_wait
 
     if is_standby():
+        warm_script()  # a new interpreter's (spawn); forked, the host did
         standby_wait()
+    if prestarts():  # before the script starts a thread: a fork, imported at once
+        prestart.prestart(fork=True)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -530,8 +530,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return RankHost(argv, known.spares, known.hang_timeout, known.max_replacements,
-                        prestart=(script is None and known.ckpt_mode == "moc"
-                                  and known.ckpt_dir is not None), script=script).run()
+                        # A script's engines are its own: its processes fork one each
+                        # (cheap), and spawn more once an engine asked for one.
+                        prestart=(script is not None or (known.ckpt_mode == "moc"
+                                                         and known.ckpt_dir is not None)),
+                        script=script).run()
     except dist.DistError as e:
         # The job's store is gone: its launcher (or the machine serving it) died, and
         # with it in-job recovery. One line, not a traceback from a lease renewal; the

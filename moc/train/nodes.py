@@ -155,7 +155,7 @@ def node_env(root: Path, node: int, nproc: int, gpus: int) -> dict[str, str]:
 def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
               gpus: int = 0, shutdown_s: int | None = None, module: str = "moc.train",
               spare_nodes: int = 0, machine_restart_s: float | None = None,
-              memory_key: str | None = None) -> int:
+              memory_key: str | None = None, command: str = "moc train") -> int:
     """Start `nodes` torchrun agents of `nproc` ranks each running `moc.train worker`;
     wait for all. 0 only if every agent exits 0. When one fails the others get GRACE_S
     to end on their own, then are terminated. `gpus`: GPUs per node to hand out (0: the
@@ -180,12 +180,13 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     torch's 300 s, are ended once the job's store says the training finished. With
     `machine_restart_s`, a lost machine is started again that many seconds later, as a
     scheduler would: its rank hosts start outside torchrun's rendezvous and adopt the
-    lost machine's ranks (`moc.injob.machines`, ENV_JOIN). `memory_key`: see `sim_root`."""
+    lost machine's ranks (`moc.injob.machines`, ENV_JOIN). `memory_key`: see `sim_root`.
+    `command` begins the launcher's messages (`moc train`, `moc run`)."""
     in_job = module == "moc.train.host"
     try:
         root = sim_root(memory_key)
     except OSError as e:
-        print(f"moc train: error: cannot make the simulated nodes' memory under "
+        print(f"{command}: error: cannot make the simulated nodes' memory under "
               f"{os.environ.get('MOC_SHM_ROOT') or '/dev/shm'}: {e.strerror or e}; free "
               "some, or point MOC_SHM_ROOT at a larger tmpfs", file=sys.stderr)
         return 1
@@ -223,7 +224,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
         waited = _Wait(agents, signals, (TORCHRUN_SHUTDOWN_S if shutdown_s is None
                                          else shutdown_s) + TERMINATE_S,
                        spare_nodes, store, restart if machine_restart_s is not None else None,
-                       machine_restart_s or 0.0)
+                       machine_restart_s or 0.0, command)
         codes = waited.run()
     finally:
         _terminate(agents + (waited.joiners if waited is not None else []))
@@ -232,7 +233,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
             signal.signal(s, handler)
     if signals.first is not None:
         if signals.forced:
-            print(f"moc train: {signals.first.name} again: every simulated node killed",
+            print(f"{command}: {signals.first.name} again: every simulated node killed",
                   file=sys.stderr)
         return 128 + int(signals.first)
     failed = [f"node {i}: exit {c}" for i, c in enumerate(codes)
@@ -240,7 +241,7 @@ def run_nodes(nodes: int, nproc: int, max_restarts: int, worker: list[str],
     failed += [f"a machine started again: exit {p.returncode}" for p in waited.joiners
                if p.returncode not in (0, None) and not waited.finished]
     if failed:
-        print(f"moc train: error: simulated nodes failed ({'; '.join(failed)})",
+        print(f"{command}: error: simulated nodes failed ({'; '.join(failed)})",
               file=sys.stderr)
         return 1
     return 0
@@ -283,7 +284,8 @@ class _Wait:
     def __init__(self, agents: list[subprocess.Popen], signals: _Signals, stop_s: float,
                  spare_nodes: int = 0, store: object = None,
                  restart: Callable[[int, int], list[subprocess.Popen]] | None = None,
-                 restart_s: float = 0.0) -> None:
+                 restart_s: float = 0.0, command: str = "moc train") -> None:
+        self.command = command
         self.agents, self.signals, self.stop_s = agents, signals, stop_s
         self.spare_nodes, self.store = spare_nodes, store
         self.restart, self.restart_s = restart, restart_s
@@ -307,7 +309,7 @@ class _Wait:
                 self._due.remove((when, lost))
                 node = len(self.agents) + self.restarted
                 self.restarted += 1
-                print(f"moc train: machine {lost} started again (as simulated node {node}): "
+                print(f"{self.command}: machine {lost} started again (as simulated node {node}): "
                       "its ranks rejoin the job", file=sys.stderr, flush=True)
                 self.joiners += self.restart(lost, node) if self.restart else []
             if signals.first is not None and not forwarded:
@@ -344,7 +346,7 @@ class _Wait:
                 continue
             if self.spare_nodes and self.restart is None and len(self.lost) >= self.spare_nodes:
                 self.unsaved.add(i)
-                print(f"moc train: node {i} lost (its agent SIGKILLed), and no spare node "
+                print(f"{self.command}: node {i} lost (its agent SIGKILLed), and no spare node "
                       f"is left: --spare-nodes {self.spare_nodes}, all taken by earlier "
                       "losses; the job stops (give more --spare-nodes, or "
                       "--machine-restart-s to start lost machines again)",
@@ -353,10 +355,10 @@ class _Wait:
             if len(self.lost) < self.spare_nodes or self.restart is not None:
                 self.lost.add(i)
                 if len(self.lost) <= self.spare_nodes:
-                    print(f"moc train: node {i} lost (its agent SIGKILLed): a spare node "
+                    print(f"{self.command}: node {i} lost (its agent SIGKILLed): a spare node "
                           "takes its ranks", file=sys.stderr, flush=True)
                 else:
-                    print(f"moc train: node {i} lost (its agent SIGKILLed): it is started "
+                    print(f"{self.command}: node {i} lost (its agent SIGKILLed): it is started "
                           f"again in {self.restart_s:g}s", file=sys.stderr, flush=True)
                     self._due.append((time.monotonic() + self.restart_s, i))
 

@@ -29,6 +29,7 @@ def test_the_steady_state_drops_the_first_two_checkpoints():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # CI time (issue 48): a benchmark's run, 27 s; its arithmetic is above
 def test_a_tiny_run_of_the_three_modes(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"

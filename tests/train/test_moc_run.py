@@ -82,6 +82,48 @@ def test_a_stopped_rank_is_replaced_by_its_spare_without_code_in_the_loop(tmp_pa
     assert len({e["pid"] for e in lines(out)}) == 1
 
 
+NODES = ("--nodes", "2", "--nproc", "1", "--spares", "1")
+"""Two simulated machines of one rank each, each rank with a spare process."""
+
+
+def faulted(out: Path, straight: Path, faults: list[str]) -> subprocess.CompletedProcess:
+    """The example under `moc run` on NODES, the i-th fault (KIND:RANK:STEP) striking in
+    generation i; every loss the run without faults', and each fault's rank alone a new
+    process in the next generation."""
+    r = moc_run(out, *(a for f in faults for a in ("--fault", f)), options=NODES)
+    assert_exact(out, straight)
+    pids: dict[int, dict[int, int]] = {}
+    for e in map(json.loads, (out / "pids.jsonl").read_text().splitlines()):
+        pids.setdefault(e["generation"], {})[e["rank"]] = e["pid"]
+    assert sorted(pids) == list(range(len(faults) + 1)), pids
+    for g, fault in enumerate(faults):
+        hit = int(fault.split(":")[1])
+        assert [pids[g + 1][q] == pids[g][q] for q in (0, 1)] == [q != hit for q in (0, 1)], (
+            g, fault, pids)
+    return r
+
+
+def test_on_two_nodes_a_killed_rank_of_either_is_replaced_and_the_other_keeps_its_process(
+        tmp_path, straight):
+    """`moc run --nodes 2`: one torchrun agent per simulated machine, the launcher
+    serving the job's store. Rank 1, then rank 0, SIGKILLed: each time only the killed
+    rank's process is new, and every loss is bitwise."""
+    r = faulted(tmp_path / "two", straight, ["kill:1:7", "kill:0:12"])
+    assert r.stderr.count("died (SIGKILL); replaced by its spare") == 2, r.stderr[-3000:]
+
+
+@pytest.mark.slow  # CI time: the hang detector waits its 5 s floor
+def test_on_two_nodes_three_kills_and_a_stop_leave_the_survivors_processes(tmp_path,
+                                                                           straight):
+    """Issue 49's run: on 2 simulated nodes with a spare, a rank SIGKILLed 3 times (one
+    of them rank 0) and then one SIGSTOPped; the survivors' pids never change, every
+    loss is bitwise (the downtimes against `moc train`'s: `moc bench injob`)."""
+    r = faulted(tmp_path / "four", straight, ["kill:1:7", "kill:0:12", "kill:1:14",
+                                              "stop:0:18"])
+    assert r.stderr.count("died (SIGKILL); replaced by its spare") == 3, r.stderr[-3000:]
+    assert "rank 0: process" in r.stderr and "hung (no heartbeat for" in r.stderr
+
+
 def test_the_same_script_under_plain_torchrun_enters_train_once(tmp_path, straight):
     """Without a rank host `moc.run` joins the job as `moc.init_distributed` does and
     calls `train` once: the same losses as under `moc run`."""
@@ -96,6 +138,11 @@ def test_the_same_script_under_plain_torchrun_enters_train_once(tmp_path, straig
     (["--nproc", "0", "x.py"], "--nproc must be >= 1, got 0"),
     (["--hang-timeout", "0", "x.py"], "--hang-timeout must be > 0, got 0.0"),
     (["missing.py"], "missing.py: no such file; give the path of your training script"),
+    (["--nodes", "0", "x.py"], "--nodes must be >= 1, got 0"),
+    (["--spare-nodes", "1", "x.py"], "--spare-nodes 1 stands machines by for in-job "
+                                     "recovery across machines: it needs --nodes 2 or more"),
+    (["--nodes", "2", "--machine-restart-s", "-1", "x.py"],
+     "--machine-restart-s -1 starts a lost machine again"),
 ])
 def test_bad_options_of_moc_run_are_one_line(args, says, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
