@@ -6,7 +6,8 @@ processes (docs/guide/recovery.md).
     machines     lost machines: each rank host's lease, and the spare node that claims
                  a machine whose leases stopped
     loop         `run(train)`: any training function entered again, in the same
-                 process, in each generation of the job
+                 process, in each generation of the job; `generations`, the loop
+                 that both `run` and `moc train` drive
 
 The rank hosts that start and replace the training processes are the trainer's
 (`moc.train.host`), and so is the launcher (`moc train`, `moc run`).

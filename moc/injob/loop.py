@@ -136,30 +136,61 @@ def run(train: Callable[[Generation[E]], T], *, engine: Callable[[], E] | None =
     membership = Membership(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                             lambda: steps.count)
     steps.membership = membership
+    current: list[Generation[E]] = []
+
+    def enter(number: int) -> T:
+        current[:] = [_generation(number, engine, membership.replaced() if number else [])]
+        return _finish(train, current[0], rejoins=True)
+
+    def leave(error: BaseException) -> None:
+        print(f"moc: rank {membership.rank}: lost a peer ({first_line(error)}); "
+              "rejoining", file=sys.stderr, flush=True)
+        if current and current[0].engine is not None:
+            current[0].engine.abandon()  # the groups are gone: no collective
+        current.clear()
+        steps.drop_gradients()
+        steps.rejoined()
+
     try:
-        lost: BaseException | None = None
-        while True:
-            gen: Generation[E] | None = None
-            try:
-                if lost is not None:
-                    _leave(membership, lost)
-                    steps.drop_gradients()
-                    steps.rejoined()
-                    lost = None
-                membership.phase = "start" if membership.gen == 0 else "rejoin"
-                membership.join(backend)
-                membership.phase = "restore"
-                gen = _generation(membership.gen, engine,
-                                  membership.replaced() if membership.gen else [])
-                result = _finish(train, gen)
-                membership.done()
-                return result
-            except Exception as e:
-                if not lost_peer(e):
-                    raise
-                lost = e
+        return generations(membership, backend, enter, leave)
     finally:
         steps.handle.remove()
+
+
+def generations(membership: Membership, backend: str, enter: Callable[[int], T],
+                leave: Callable[[BaseException], None],
+                stopping: Callable[[], None] | None = None, joined: bool = False) -> T:
+    """The generation loop of every in-job recovery, `run`'s and `moc train`'s: join the
+    job's current generation (unless `joined`: the caller joined the first itself) and
+    `enter(generation)` until it returns, then tell the host that training is done.
+    When `enter` loses a peer (`lost_peer`: its collectives failed), this process
+    leaves the generation: the process groups dropped first (`Membership.leave`; on
+    NCCL its communicators aborted, which also ends a device wait an engine's threads
+    may be blocked behind), then `leave(error)`, where the caller lets go of what held
+    them without a collective (the engine abandoned: its snapshots stay in memory); and
+    it joins the next generation and enters again, in the same process. A rejoin that
+    loses a peer too leaves again. Any other error propagates. `stopping`: called while
+    a join waits for ranks (`Membership.join`)."""
+    lost: BaseException | None = None
+    while True:
+        try:
+            if lost is not None:
+                membership.phase = "leave"  # watched by the host: a leave that hangs is one
+                membership.leave()
+                leave(lost)
+                lost, joined = None, False
+            if not joined:
+                membership.phase = "start" if membership.gen == 0 else "rejoin"
+                membership.join(backend, stopping)
+                joined = True
+            membership.phase = "restore"
+            result = enter(membership.gen)
+            membership.done()
+            return result
+        except Exception as e:
+            if not lost_peer(e):
+                raise
+            lost = e
 
 
 def _generation(number: int, engine: Callable[[], E] | None, replaced: list[int]
@@ -170,31 +201,22 @@ def _generation(number: int, engine: Callable[[], E] | None, replaced: list[int]
                       replaced)
 
 
-def _finish(train: Callable[[Generation[E]], T], gen: Generation[E]) -> T:
+def _finish(train: Callable[[Generation[E]], T], gen: Generation[E], rejoins: bool = False
+            ) -> T:
     """`train(gen)`, then the engine closed (collective: every rank returned) and the
-    process group with it; on an error, the engine abandoned (no collective)."""
+    process group with it. On an error the engine is abandoned (no collective), but for
+    a lost peer in a process that `rejoins`: `generations` drops the groups first, and
+    its `leave` abandons the engine then (on NCCL, an abandon could wait behind a kernel
+    that only the communicators' abort ends)."""
     try:
         result = train(gen)
-    except BaseException:
         if gen.engine is not None:
+            gen.engine.close()  # a peer lost here too: nothing half-done stays
+    except BaseException as e:
+        if gen.engine is not None and not (rejoins and isinstance(e, Exception)
+                                           and lost_peer(e)):
             gen.engine.abandon()
-        raise
-    try:
-        if gen.engine is not None:
-            gen.engine.close()
-    except BaseException:
-        if gen.engine is not None:
-            gen.engine.abandon()  # a peer lost during the close: nothing half-done stays
         raise
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
-
-
-def _leave(membership: Membership, error: BaseException) -> None:
-    """After a lost peer: the process groups dropped and the job moved to the next
-    generation (`Membership.leave`; the engine was abandoned by `_finish`)."""
-    membership.phase = "leave"  # watched by the host: a leave that hangs is a hang
-    print(f"moc: rank {membership.rank}: lost a peer ({first_line(error)}); rejoining",
-          file=sys.stderr, flush=True)
-    membership.leave()

@@ -25,8 +25,9 @@ from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
 from moc.checkpoint.twolevel.persist.prestart import prestart
+from moc.injob.loop import generations
 from moc.injob.machines import lose_machine
-from moc.injob.membership import Membership, first_line, lost_peer, prestarts
+from moc.injob.membership import Membership, first_line, prestarts
 from moc.injob.membership import enabled as in_job
 from moc.parallel import (
     ParallelGroups,
@@ -217,6 +218,8 @@ class Trainer:
         torch.use_deterministic_algorithms(True)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.groups = ParallelGroups.from_world(cfg.resolve_ep(world), cfg.model.n_experts)
+        self.groups_gen = self.membership.gen if self.membership is not None else 0
+        """The generation `groups` were made in (in-job recovery: `_enter`)."""
         self.rank = self.groups.rank
         self.is_main = self.rank == 0
         faults = cfg.fault_at is not None or cfg.fault_every is not None
@@ -322,48 +325,46 @@ class Trainer:
 
     def run(self) -> RunResult:
         """Train to the last step, then `close` (collective: every rank gets there). In-job
-        recovery (`moc.injob.membership`): when a peer is lost, even while the engine closes,
-        this process rejoins the job's next generation and goes on from the newest
-        checkpoint, as many times as faults come."""
-        lost: Exception | None = None
-        while True:
-            try:
-                if lost is not None:  # a rejoin may lose a peer too: then another
-                    self.rejoin(lost)
-                    lost = None
-                result = self._run()
-                self.close()
-                if self.membership is not None:
-                    self.membership.done()
-                return result
-            except Exception as e:
-                if self.membership is None or not lost_peer(e):
-                    raise
-                lost = e
+        recovery: the generation loop `moc.run` drives a script's `train` with
+        (`moc.injob.generations`); when a peer is lost, even while the engine closes,
+        this process leaves, rejoins the job's next generation (`_regroup`) and goes on
+        from the newest checkpoint, as many times as faults come."""
+        if self.membership is None:
+            result = self._run()
+            self.close()
+            return result
+        return generations(self.membership, "nccl" if self.cfg.device == "cuda" else "gloo",
+                           self._enter, self._leave, self._stopping, joined=True)
 
-    def rejoin(self, error: BaseException) -> None:
-        """A peer was lost: drop the process groups (`Membership.leave`: on NCCL aborted
-        first, which also ends a kernel the snapshot thread's `ready` event waits behind),
-        let the engine go without a collective (its snapshots stay in memory), form the
-        next generation with the replacement, and rebind the same model and optimizer
-        to its groups. `run` then restores, every rank from where its newest state is:
-        this one from its own node's memory."""
-        membership = self.membership
-        assert membership is not None
-        membership.phase = "leave"  # watched by the host: an abandon that hangs is a hang
+    def _enter(self, gen: int) -> RunResult:
+        """One generation: regrouped first when it is not the one this process's groups
+        were made in (a survivor's rejoin; a newcomer was built in its own)."""
+        if gen != self.groups_gen:
+            self._regroup(gen)
+        result = self._run()
+        self.close()
+        return result
+
+    def _leave(self, error: BaseException) -> None:
+        """A peer was lost and the process groups are dropped (`generations`): let the
+        engine go without a collective (its snapshots stay in memory). `run` then
+        rejoins, and restores every rank from where its newest state is: this one from
+        its own node's memory."""
         if self.is_main:
             print(f"moc train: rank {self.rank}: lost a peer at step {self.step} "
                   f"({first_line(error)}); rejoining", file=sys.stderr, flush=True)
-        membership.leave()
         if self.routing is not None:
             self.routing.remove()
             self.routing = None
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
-        membership.phase = "rejoin"
-        membership.join("nccl" if self.cfg.device == "cuda" else "gloo", self._stopping)
+
+    def _regroup(self, gen: int) -> None:
+        """The new generation's groups, the same model and optimizer rebound to them, a
+        new engine on them."""
         self.groups = ParallelGroups.from_world(self.groups.layout.ep, self.cfg.model.n_experts)
+        self.groups_gen = gen
         rebind_experts(self.model, self.groups)
         self.optimizer.rebind(self.groups)
         self.model.zero_grad(set_to_none=True)  # a half step's gradients
