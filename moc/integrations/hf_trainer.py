@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moc.checkpoint.api import CheckpointResult, RecoveryReport
+from moc.checkpoint.api import CheckpointEngine, CheckpointResult, RecoveryReport
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.spec import ExpertSpec
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
@@ -77,7 +77,15 @@ class MocArguments:
     experts (default `ExpertSpec.infer`). `watch_routing`: count routed tokens for PLT
     and Dynamic-K by hooks (the families `watch_routing` knows). `engine_options`: any
     other argument of `moc.TwoLevelCheckpointer` (`k_snapshot`, `persist_policy`,
-    `max_failures`, `job`, ...)."""
+    `max_failures`, `job`, ...).
+
+    `engine`: an engine made and owned by another (`moc.run`'s `gen.engine`, for in-job
+    recovery under `moc run`): the Trainer saves to it and restores from it, and
+    neither builds nor closes nor abandons it, so that on a lost peer its owner lets
+    go of it after the process groups are dropped. It saves the model and optimizer it
+    was built over: give Trainer that optimizer (`optimizers=(optimizer, None)`).
+    `dir`, `interval`, `policy`, `keep_last`, `experts` and `engine_options` are then
+    the engine's own, not these."""
 
     dir: str | Path | None = None
     interval: int | None = None
@@ -86,6 +94,7 @@ class MocArguments:
     experts: ExpertSpec | None = None
     watch_routing: bool = True
     engine_options: dict[str, Any] = field(default_factory=dict)
+    engine: CheckpointEngine | None = None
 
 
 class MocTrainerMixin:
@@ -122,9 +131,13 @@ class MocTrainerMixin:
         _check_arguments(self)
         directory = Path(self.moc.dir or os.path.join(args_.output_dir, "moc"))
         interval = _interval(self.moc, args_)
+        owned = self.moc.engine is None  # else its owner's to close or abandon
+        if not owned and self.optimizer is None:
+            raise ValueError("MocArguments(engine=...) saves the optimizer the engine was "
+                             "built with: give Trainer that one, optimizers=(optimizer, None)")
         if self.optimizer is None:
             self.create_optimizer()  # moc restores into it; Trainer's prepare keeps it
-        self.checkpointer = engine = TwoLevelCheckpointer(
+        self.checkpointer = engine = self.moc.engine or TwoLevelCheckpointer(
             self.model, self.optimizer, directory,
             experts=self.moc.experts or ExpertSpec.infer(self.model), policy=self.moc.policy,
             interval=interval, keep_last=self.moc.keep_last, **self.moc.engine_options)
@@ -149,15 +162,15 @@ class MocTrainerMixin:
                 if 0 < args_.max_steps <= report.step:
                     # Finished: Trainer would re-enter the last epoch when max_steps does
                     # not end one, and train a step past it.
-                    return self._already_done(report.step)
+                    return self._already_done(report.step, close=owned)
             elif resume_from_checkpoint is True and not _trainer_checkpoint(args_):
                 resume_from_checkpoint = None  # nothing to resume: a fresh start
             routing = engine.watch_routing(self.model) if self.moc.watch_routing else None
             out = super().train(resume_from_checkpoint, *args, **kwargs)
-            self._moc_finish()
+            self._moc_finish(close=owned)
             return out
         except BaseException:
-            if args_.world_size == 1:  # alone, closing cannot wait for a missing peer
+            if owned and args_.world_size == 1:  # alone, closing waits for no peer
                 _close_quietly(engine)
             raise  # several ranks: the snapshots stay in memory for the restart
         finally:
@@ -168,7 +181,7 @@ class MocTrainerMixin:
                 self._resume = None
             self.checkpointer = None
 
-    def _already_done(self, step: int) -> Any:
+    def _already_done(self, step: int, close: bool) -> Any:
         """A run resumed at or past `max_steps`: nothing to train; Trainer's state as saved."""
         from transformers import TrainerState
         from transformers.trainer_utils import TrainOutput
@@ -177,12 +190,13 @@ class MocTrainerMixin:
         self.state = TrainerState(**json.loads(self._resume.saved["state"]))
         log.warning("moc: step %d is at or past max_steps=%d: nothing to train", step,
                     self.args.max_steps)
-        self._moc_finish()
+        self._moc_finish(close)
         return TrainOutput(step, 0.0, {})
 
-    def _moc_finish(self) -> None:
+    def _moc_finish(self, close: bool) -> None:
         """The last step saved (if the run stopped between checkpoints), everything in
-        flight durable, the engine closed; results kept in `checkpoint_results`."""
+        flight durable, the engine closed when it is this Trainer's (`close`); results
+        kept in `checkpoint_results`."""
         engine = self.checkpointer
         assert engine is not None
         step = self.state.global_step
@@ -190,7 +204,8 @@ class MocTrainerMixin:
             engine.save(step, self._loop_state(), final=True)
         engine.flush()
         self.checkpoint_results += engine.drain_completed()
-        engine.close()
+        if close:
+            engine.close()
 
     # -- saving ---------------------------------------------------------------------------
 

@@ -196,3 +196,63 @@ def test_a_process_group_made_before_run_under_a_host_is_one_clear_error(tmp_pat
             moc.run(lambda gen: None)
     finally:
         dist.destroy_process_group()
+
+
+# -- MocTrainer (transformers.Trainer) under moc run: examples/hf_trainer.py --in-job ------
+
+HF_EXAMPLE = REPO / "examples" / "hf_trainer.py"
+
+
+def hf_run(out: Path, *extra: str, options: tuple[str, ...] = ("--nproc", "2")
+           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """The Trainer example under `moc run`, `train()` entered per generation: the
+    process and its JSON lines."""
+    pytest.importorskip("transformers")
+    r = _run("-m", "moc", "run", *options, str(HF_EXAMPLE), "--dir", str(out), "--steps",
+             "30", "--in-job", *extra, cwd=out.parent, timeout=400)
+    return r, [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def hf_straight(tmp_path_factory) -> dict[int, str]:
+    _, logged = hf_run(tmp_path_factory.mktemp("hf") / "straight")
+    return {e["step"]: e["hex"] for e in logged if "step" in e}
+
+
+def assert_trainer_exact(logged: list[dict], straight: dict[int, str]) -> None:
+    steps = [e for e in logged if "step" in e]
+    assert [e["step"] for e in steps] == list(range(1, 31))  # none twice, none skipped
+    assert all(e["hex"] == straight[e["step"]] for e in steps)
+
+
+def test_moc_trainer_under_moc_run_keeps_the_survivors_process(tmp_path, hf_straight):
+    """`MocTrainer` with `MocArguments(engine=gen.engine)`: rank 1 SIGKILLed in step 17,
+    rank 0 leaves its `trainer.train()`, rejoins and builds a new Trainer over the same
+    model and optimizer; both resume step 16 from memory, and every loss is the
+    uninterrupted run's, bitwise, rank 0 logging from one process throughout."""
+    r, logged = hf_run(tmp_path / "killed", "--fault-at", "17")
+    assert_trainer_exact(logged, hf_straight)
+    assert [e for e in logged if "resumed" in e] == [
+        {"resumed": 16, "source": "memory", "recovery_s": pytest.approx(0, abs=5),
+         "lost_tokens": 0}]
+    assert "died (SIGKILL)" in r.stderr and "moc: rank 0: lost a peer" in r.stderr
+    assert len({e["pid"] for e in logged if "step" in e}) == 1
+
+
+@pytest.mark.slow  # CI time: the hang detector waits its 5 s floor
+def test_moc_trainer_on_two_nodes_survives_three_kills_and_a_stop(tmp_path, hf_straight):
+    """Issue 49's run for `MocTrainer`: 2 simulated nodes with a spare each; rank 1, 0
+    and 1 SIGKILLed, then rank 0 SIGSTOPped, one fault per generation: each resumes
+    from memory, rank 0's logging process changes only when rank 0 was the one hit,
+    and every loss is bitwise."""
+    r, logged = hf_run(tmp_path / "four", "--fault", "kill:1:8", "--fault", "kill:0:14",
+                       "--fault", "kill:1:20", "--fault", "stop:0:26", options=NODES)
+    assert_trainer_exact(logged, hf_straight)
+    assert [(e["resumed"], e["source"]) for e in logged if "resumed" in e] == [
+        (7, "memory"), (13, "memory"), (19, "memory"), (25, "memory")]
+    pids = [e["pid"] for e in logged if "step" in e]
+    # rank 0 logs: new in the generations after the faults that hit rank 0 (steps 14, 26)
+    assert len(set(pids[:13])) == len(set(pids[13:25])) == len(set(pids[25:])) == 1
+    assert len({pids[0], pids[13], pids[25]}) == 3
+    assert r.stderr.count("died (SIGKILL); replaced by its spare") == 3
+    assert "hung (no heartbeat for" in r.stderr
