@@ -7,7 +7,9 @@ to a committed manifest, then a fresh engine's restore (from memory) and a resto
 step 1 from storage. Every process (the persist process too) records which moc module
 each call enters (scripts/walk/sitecustomize.py); printed per phase and thread: the
 modules in the order first entered, the moves between modules, and the returns (moves
-back into a module the walk had left).
+back into a module the walk had left); and over the calls from one moc module into
+another, the crossings, the climbs (into a module that imports the caller's) and the
+revisits (into a module entered before). docs/BENCHMARKS.md, "The walk of one save".
 """
 
 from __future__ import annotations
@@ -48,8 +50,15 @@ ckpt.close()
 """
 
 
-def walk(lines: list[str]) -> dict[str, object]:
-    modules = [line.split("\t")[1].removeprefix("moc.") for line in lines]
+def walk(lines: list[str], imports: dict[str, set[str]]) -> dict[str, object]:
+    """The modules in the order first entered; `moves` and `returns` over the sequence
+    of modules that calls entered (a return from a callee shows as a move back); and,
+    over the calls from one moc module into another (issue 48's count): `crossings`,
+    `climbs` (a call into a module that imports the caller's, directly or not: back up
+    the layers, through a callback) and `revisits` (a call into a module the walk had
+    entered before)."""
+    rows = [line.split("\t") for line in lines]
+    modules = [r[1].removeprefix("moc.") for r in rows]
     modules = [m for i, m in enumerate(modules) if i == 0 or m != modules[i - 1]]
     seen, left, returns, first = set(), set(), 0, []
     prev = None
@@ -62,7 +71,59 @@ def walk(lines: list[str]) -> dict[str, object]:
             seen.add(m)
             first.append(m)
         prev = m
-    return {"modules": first, "moves": max(0, len(modules) - 1), "returns": returns}
+    crossings = climbs = revisits = 0
+    entered: set[str] = set()
+    climbed: set[str] = set()
+    for r in rows:
+        callee, caller = r[1], (r[3] if len(r) > 3 else "")
+        if caller.startswith("moc.") and caller != callee:
+            crossings += 1
+            if caller in imports.get(callee, set()):
+                climbs += 1
+                climbed.add(f"{caller} -> {callee}.{r[2]}")
+            revisits += callee in entered
+        entered.add(callee)
+    return {"modules": first, "moves": max(0, len(modules) - 1), "returns": returns,
+            "crossings": crossings, "climbs": climbs, "climbed": sorted(climbed),
+            "revisits": revisits}
+
+
+def import_closure() -> dict[str, set[str]]:
+    """moc module -> every moc module it imports, directly or not (the source's import
+    statements, those under TYPE_CHECKING included), for the moc that PYTHONPATH finds."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("moc")
+    assert spec is not None and spec.origin is not None
+    root = Path(spec.origin).parent
+    direct: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        direct[name] = {m for m in found if m.startswith("moc")}
+    closure: dict[str, set[str]] = {}
+    for name in direct:
+        todo, reach = list(direct[name]), set()
+        while todo:
+            m = todo.pop()
+            if m in reach or m not in direct:
+                continue
+            reach.add(m)
+            todo.extend(direct[m])
+        closure[name] = reach
+    return closure
 
 
 def main() -> None:
@@ -84,7 +145,7 @@ def main() -> None:
         current, seq = "start", collections.defaultdict(lambda: collections.defaultdict(list))
         n_restore = 0
         for line in per_pid[trainer_pid]:
-            thread, module, func = line.split("\t")
+            thread, module, func = line.split("\t")[:3]
             if module == "moc.checkpoint.twolevel.checkpointer" and func in starts \
                     and thread == "MainThread":
                 if func == "restore":
@@ -99,9 +160,11 @@ def main() -> None:
         persist = sorted(per_pid)[1]  # the first engine's persist process (the save's)
         lines = per_pid[persist]  # from its entry point: what it runs, not what it imports
         start = next(i for i, line in enumerate(lines) if line.split("\t")[2] == "serve")
+        imports = import_closure()
         seq["save"]["persist process"].extend(lines[start:])
         for phase in PHASES:
-            results[phase] = {thread: walk(lines) for thread, lines in seq[phase].items()}
+            results[phase] = {thread: walk(lines, imports)
+                              for thread, lines in seq[phase].items()}
         print(json.dumps(results, indent=1))
 
 

@@ -1,5 +1,6 @@
 """Loaded by every Python process `scripts/walk.py` starts (PYTHONPATH): records which moc
-module each call enters, per thread, into $MOC_WALK_OUT.<pid>. Not part of moc."""
+module each call enters, and from which module, per thread, into $MOC_WALK_OUT.<pid>.
+Not part of moc."""
 
 import os
 import sys
@@ -16,7 +17,10 @@ if _out:
         name = frame.f_globals.get("__name__") or ""
         if not name.startswith("moc."):
             return
-        _f.write(f"{threading.current_thread().name}\t{name}\t{frame.f_code.co_name}\n")
+        back = frame.f_back
+        caller = (back.f_globals.get("__name__") or "") if back is not None else ""
+        _f.write(f"{threading.current_thread().name}\t{name}\t{frame.f_code.co_name}\t"
+                 f"{caller}\n")
 
     sys.setprofile(_profile)
     threading.setprofile(_profile)
