@@ -405,7 +405,8 @@ def _scheduling(tid: int) -> tuple[int, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling")
 def test_the_snapshot_thread_runs_in_sched_idle_the_persist_process_niced_training_as_it_was(
-        tmp_path):
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("MOC_CKPT_PRIORITY", raising=False)  # the default (tests: normal)
     # Checkpoint work yields a core to training (`worker.lower_thread_priority`); the
     # training thread keeps whatever class and niceness it was started with. A persist
     # process restarted from the snapshot thread (SCHED_IDLE, which a child inherits and
