@@ -82,8 +82,9 @@ def main() -> None:
     p.add_argument("--fault-at", type=int, help="rank 1 SIGKILLs itself at this step")
     p.add_argument("--hang-at", type=int, help="rank 1 SIGSTOPs itself at this step")
     p.add_argument("--fault", type=fault, action="append", default=[],
-                   metavar="KIND:RANK:STEP", help="kill or stop rank RANK at STEP; the "
-                   "i-th --fault strikes in generation i (repeat it)")
+                   metavar="KIND:RANK:STEP", help="kill or stop rank RANK at STEP, or lose "
+                   "its machine (KIND machine, under moc run --nodes); the i-th --fault "
+                   "strikes in generation i (repeat it)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"),
                    help="say whether two runs' losses are bitwise equal, and exit")
     args = p.parse_args()
@@ -115,7 +116,10 @@ def main() -> None:
         strike = args.fault[gen.number] if gen.number < len(args.fault) else None
         for step in range(start + 1, args.steps + 1):
             if strike is not None and strike[1:] == (gen.rank, step):
-                os.kill(os.getpid(), signal.SIGKILL if strike[0] == "kill" else signal.SIGSTOP)
+                if strike[0] == "machine":  # a simulated machine lost: agent, hosts, memory
+                    from moc.injob.machines import lose_machine
+                    lose_machine()
+                os.kill(os.getpid(), signal.SIGSTOP if strike[0] == "stop" else signal.SIGKILL)
             idx = batch(step, gen.rank)
             loss = nn.functional.cross_entropy(ddp(idx[:-1]), idx[1:])
             loss.backward()
@@ -138,10 +142,11 @@ def main() -> None:
 
 
 def fault(text: str) -> tuple[str, int, int]:
-    """`--fault KIND:RANK:STEP`, e.g. kill:1:12 or stop:0:9."""
+    """`--fault KIND:RANK:STEP`, e.g. kill:1:12, stop:0:9 or machine:1:12 (with `moc run
+    --nodes`: the rank's whole simulated machine lost, its memory with it)."""
     kind, rank, step = text.split(":")
-    if kind not in ("kill", "stop"):
-        raise argparse.ArgumentTypeError(f"{text}: KIND is kill or stop")
+    if kind not in ("kill", "stop", "machine"):
+        raise argparse.ArgumentTypeError(f"{text}: KIND is kill, stop or machine")
     return kind, int(rank), int(step)
 
 

@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from moc.checkpoint.errors import CheckpointError
+from moc.cliparse import OneLineParser
 from moc.compat import has_dcp_async_staging
 from moc.progress import progress
 from moc.train.agent import TORCHRUN_SHUTDOWN_S, torchrun_accepts
-from moc.train.cli_args import add_launcher_args, add_train_args, config_from_args, worker_argv
+from moc.train.cli_args import (
+    add_launcher_args,
+    add_train_args,
+    config_from_args,
+    worker_argv,
+)
 from moc.train.config import TrainConfig
 
 DEMO_DIR = Path("runs/demo")
@@ -412,8 +418,8 @@ BENCHMARKS = ("size", "overhead", "accuracy", "persist", "profile", "outage", "d
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `moc` command line and its subcommands by name (tests/test_cli_help.py walks
-    them: every one answers --help)."""
-    parser = argparse.ArgumentParser(prog="moc", description=__doc__)
+    them: every one answers --help). The subcommands' parsers are `OneLineParser`s too."""
+    parser = OneLineParser(prog="moc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the reference MoE model under torchrun")
     add_train_args(train, launcher=True)
@@ -507,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["simulate", "--", *argv[1:]]
     # Unknown options are reported by the subcommand's own parser, with its usage: the
     # top-level usage (`moc [-h] {train,...}`) says nothing about what `moc train` takes.
+    first = next((a for a in argv if a not in ("-h", "--help")), None)
+    if first is not None and first.startswith("-"):  # before any command: not one of ours
+        parser.error(f"unknown option {first}: a command comes first "
+                     f"({', '.join(commands)}), its options after it")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -121,22 +121,35 @@ def test_every_option_of_every_command_says_what_it_does(monkeypatch):
 @pytest.mark.parametrize("command", [["train"], ["inspect", "DIR"], ["verify", "DIR"],
                                      ["export", "DIR", "OUT"], ["demo"], ["bench", "size"],
                                      ["simulate"]], ids=" ".join)
-def test_an_unknown_option_gets_the_subcommands_usage_and_error(command, tmp_path,
-                                                                 monkeypatch, capsys):
+def test_an_unknown_option_is_one_line_naming_the_subcommands_help(command, tmp_path,
+                                                                    monkeypatch, capsys):
+    """One line, not the usage block first (23 lines for `moc train`: issue 50)."""
     monkeypatch.chdir(tmp_path)
     code, err = moc_here(capsys, *command, "--badflag")
     name = " ".join(c for c in command if c.islower())
     assert code == 2, err
-    assert err.startswith(f"usage: moc {name} "), err
-    assert err.rstrip().endswith(f"moc {name}: error: unrecognized arguments: "
-                                 "--badflag"), err
+    assert err == (f"moc {name}: error: unrecognized arguments: --badflag (`moc {name} "
+                   "--help` lists the options)\n"), err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--bogus"], "moc: error: unknown option --bogus: a command comes first (train, run, "),
+    (["train", "--ckpt-interval", "x"],
+     "moc train: error: argument --ckpt-interval: invalid int value: 'x' (`moc train "
+     "--help`"),
+    ([], "moc: error: the following arguments are required: command (`moc --help`"),
+])
+def test_a_usage_error_is_one_line_that_names_what_was_wrong(argv, says, capsys):
+    code, err = moc_here(capsys, *argv)
+    assert code == 2 and err.startswith(says) and err.count("\n") == 1, err
 
 
 @pytest.mark.integration
 def test_an_unknown_option_exits_2_from_the_real_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "moc", "train", "--badflag"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("usage: moc train "), r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("moc train: error: unrecognized "
+                                                     "arguments: --badflag"), r.stderr
 
 
 def test_init_distributed_outside_torchrun_is_a_no_op(monkeypatch):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish, train_run
+from moc.cliparse import OneLineParser
 from moc.progress import progress
 
 RUNS: dict[str, list[str]] = {
@@ -147,7 +148,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int = 10) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench accuracy", description=__doc__,
+    p = OneLineParser(prog="moc bench accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help="model preset (default small)")
     p.add_argument("--nproc", type=int, default=2,

@@ -17,7 +17,6 @@ printed beside the formula: non-expert state + K/N of the experts.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging
@@ -34,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from moc.cliparse import OneLineParser
 
 LAYERS, E = 2, 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -210,7 +211,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench dtensor", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="moc bench dtensor", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--mb", type=float, default=64,
                    help="parameters of the whole model in MB, fp32 (default 64)")

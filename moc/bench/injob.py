@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish
+from moc.cliparse import OneLineParser
 from moc.train.metrics import read_events
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop.py"
@@ -104,7 +105,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench injob", description=__doc__,
+    p = OneLineParser(prog="moc bench injob", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--every", type=int, default=10,
                    help="steps between faults, F (default 10; at least 6: the fault "

@@ -48,6 +48,7 @@ from moc.checkpoint.api import CheckpointResult
 from moc.checkpoint.policy.selection import PECPolicy
 from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
+from moc.cliparse import OneLineParser
 from moc.model import Transformer
 from moc.train.config import PRESETS, in_checkpoint_block
 
@@ -195,7 +196,7 @@ def launch_row(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench loop", description=__doc__,
+    p = OneLineParser(prog="moc bench loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="bench", choices=list(PRESETS),
                    help="model preset (default bench; gpu-400m and gpu-800m on a GPU)")

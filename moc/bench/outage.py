@@ -34,6 +34,7 @@ from typing import Any
 
 from moc.bench.persist import start_moto
 from moc.bench.plots import publish
+from moc.cliparse import OneLineParser
 from moc.train.config import PRESETS
 from moc.train.metrics import read_events
 
@@ -132,7 +133,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench outage", description=__doc__,
+    p = OneLineParser(prog="moc bench outage", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS),
                    help="model preset (default tiny)")

@@ -34,7 +34,6 @@ the pinned figure (the bound of a GPU snapshot); "n/a (no GPU)" otherwise.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import mmap
 import os
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 
 from moc.bench.plots import publish, train_run
+from moc.cliparse import OneLineParser
 from moc.progress import progress
 from moc.train.cli_args import default_device
 from moc.train.config import TrainConfig, in_checkpoint_block
@@ -566,7 +566,7 @@ def _mb(nbytes: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench overhead", description=__doc__)
+    p = OneLineParser(prog="moc bench overhead", description=__doc__)
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks per node (default 2); the fault kills the job's last "
                         "rank, rank 0 itself on one process (--nproc 1)")

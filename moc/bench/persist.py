@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish
+from moc.cliparse import OneLineParser
 from moc.train.config import PRESETS
 from moc.train.metrics import read_events
 
@@ -116,7 +117,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench persist", description=__doc__,
+    p = OneLineParser(prog="moc bench persist", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="bench", choices=sorted(PRESETS),
                    help="model preset (default bench)")

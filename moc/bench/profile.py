@@ -45,6 +45,7 @@ from moc.checkpoint.store.format import CRC32C, digest
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.checkpoint.twolevel.memory import native
 from moc.checkpoint.twolevel.memory.places import slot_layout
+from moc.cliparse import OneLineParser
 from moc.model import Transformer
 from moc.parallel import ParallelGroups, ShardedAdamW
 from moc.train.config import PRESETS
@@ -214,7 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench profile", description=__doc__,
+    p = OneLineParser(prog="moc bench profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="bench", choices=list(PRESETS),
                    help="model preset (default bench)")

@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from moc.cliparse import OneLineParser
+
 DEFAULT_OVERHEAD = Path(__file__).resolve().parents[2] / "docs" / "bench-overhead.json"
 """The overhead benchmark measured for docs/ (found from any working directory)."""
 
@@ -926,7 +928,7 @@ def recovery_modes_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moc simulate", description=__doc__,
+    p = OneLineParser(prog="moc simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--overhead", type=Path, default=DEFAULT_OVERHEAD,
                    help=f"JSON of `moc bench overhead --json` (default {DEFAULT_OVERHEAD})")

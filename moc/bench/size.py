@@ -15,7 +15,6 @@ size model, C = (P_ne + K/N P_e)(B_w + B_o), with B_w = 4 (fp32 weights) and B_o
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moc.bench.plots import publish, train_run
+from moc.cliparse import OneLineParser
 from moc.progress import Progress, progress
 from moc.train.config import PRESETS
 
@@ -109,7 +109,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench size", description=__doc__)
+    p = OneLineParser(prog="moc bench size", description=__doc__)
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks of each moc train run (default 2)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (moc train's default)")

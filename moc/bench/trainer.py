@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moc.cliparse import OneLineParser
+
 MODES = ("none", "trainer", "moc")
 
 
@@ -127,7 +129,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moc bench trainer", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="moc bench trainer", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     p.add_argument("--interval", type=int, default=10, help="steps between checkpoints "
                    "(moc's interval and Trainer's save_steps)")

@@ -16,7 +16,6 @@ How a worker ends, and why each way ends the way it does:
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -24,6 +23,7 @@ from typing import NoReturn
 
 from moc.checkpoint.errors import CheckpointError
 from moc.checkpoint.preemption import Preemption, exit_status
+from moc.cliparse import OneLineParser
 from moc.injob.membership import (
     ENV_GEN,
     REJOIN_STATUS,
@@ -40,7 +40,7 @@ from moc.train.loop import NothingToTrain, Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moc.train", description="moc training worker")
+    parser = OneLineParser(prog="moc.train", description="moc training worker")
     add_train_args(parser, launcher=False)
     args = parser.parse_args(argv)
     corpus = None

@@ -198,6 +198,25 @@ def test_a_process_group_made_before_run_under_a_host_is_one_clear_error(tmp_pat
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # CI time: moc train's machine losses are in CI (tests/train/test_injob*)
+@pytest.mark.parametrize("taken_over", [("--spare-nodes", "1"), ("--machine-restart-s", "1")],
+                         ids=["spare node", "started again"])
+def test_on_two_nodes_a_lost_machine_is_taken_over_and_the_other_keeps_its_process(
+        tmp_path, straight, taken_over):
+    """Rank 1's whole simulated machine lost at step 12 (its agent, host, spare and
+    memory: `lose_machine`): a spare node, or the machine started again, adopts rank 1
+    from the replica on node 0; rank 0 keeps its process, and every loss is bitwise."""
+    out = tmp_path / "machine"
+    r = moc_run(out, "--fault", "machine:1:12",
+                options=("--nodes", "2", "--nproc", "1", *taken_over))
+    assert_exact(out, straight)
+    pids: dict[int, dict[int, int]] = {}
+    for e in map(json.loads, (out / "pids.jsonl").read_text().splitlines()):
+        pids.setdefault(e["generation"], {})[e["rank"]] = e["pid"]
+    assert pids[1][0] == pids[0][0] and pids[1][1] != pids[0][1], pids
+    assert "node 1 lost (its agent SIGKILLed)" in r.stderr, r.stderr[-3000:]
+
+
 # -- MocTrainer (transformers.Trainer) under moc run: examples/hf_trainer.py --in-job ------
 
 HF_EXAMPLE = REPO / "examples" / "hf_trainer.py"
