@@ -2,7 +2,7 @@
 `accelerate.Accelerator`, with moc's two-level checkpoints; killed with SIGKILL mid-run
 and started again, it resumes exactly.
 
-    pip install 'moc[hf]' accelerate
+    pip install '.[hf]' accelerate
     torchrun --standalone --nproc-per-node 2 examples/accelerate_loop.py --dir runs/acc-a
     # rank 1 SIGKILLs itself in step 17; the same command without --fault-at resumes:
     torchrun --standalone --nproc-per-node 2 examples/accelerate_loop.py --dir runs/acc-b \

@@ -1,7 +1,7 @@
 """A tiny Mixtral (or Qwen2-MoE) trained by `transformers.Trainer` with moc's two-level
 checkpoints; killed with SIGKILL mid-run and started again, it resumes exactly.
 
-    pip install 'moc[hf]'
+    pip install '.[hf]'
     # straight, 2 ranks (Trainer's DDP; gloo on the CPU):
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --dir runs/hft-a --steps 30
     # rank 1 SIGKILLs itself in step 17 (torchrun then stops the job) ...

@@ -1,7 +1,7 @@
 """A transformers Mixtral trained with plain DDP and moc's two-level checkpoints; a rank
 is SIGKILLed, torchrun restarts the job, and training resumes exactly where it was.
 
-    pip install 'moc[hf]'                 # transformers
+    pip install '.[hf]'                 # transformers
     # an uninterrupted run:
     torchrun --standalone --nproc-per-node 2 examples/train_hf_ddp.py --out runs/hf-straight
     # rank 1 SIGKILLs itself at step 13; torchrun restarts both ranks, which recover

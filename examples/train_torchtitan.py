@@ -1,7 +1,7 @@
 """A torchtitan MoE (Qwen3) trained with torchtitan's own objects and moc's two-level
 checkpoints; a rank is SIGKILLed, torchrun restarts the job, and training resumes exactly.
 
-    pip install 'moc[torchtitan]'           # torchtitan (and triton, which it imports)
+    pip install '.[torchtitan]'           # torchtitan (and triton, which it imports)
     # an uninterrupted run, on 2 CPU ranks (gloo):
     torchrun --standalone --nproc-per-node 2 examples/train_torchtitan.py --out runs/tt-straight
     # rank 1 SIGKILLs itself at step 8; torchrun restarts both ranks, which recover from

@@ -1,6 +1,6 @@
 """What every benchmark shares: running `moc train` and reading its events, and what it
 prints and writes (its table, JSON and picture). matplotlib is optional
-(`pip install moc[plots]`): the tables and JSON never need it."""
+(`pip install matplotlib`, moc's plots extra): the tables and JSON never need it."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("PNG output needs matplotlib: pip install 'moc[plots]' "
-                         "(or drop --png)") from None
+        raise ValueError("PNG output needs matplotlib: pip install 'matplotlib>=3.7' (moc's "
+                         "plots extra), or drop --png") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -379,8 +379,8 @@ def write_png(path: Path, costs: list[Costs], rows: dict[str, dict[str, Any]], r
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--png needs matplotlib: pip install 'moc[plots]' "
-                         "(or matplotlib>=3.7)") from None
+        raise ValueError("--png needs matplotlib: pip install 'matplotlib>=3.7' (moc's plots "
+                         "extra)") from None
     matplotlib.use("Agg")  # files only: no display on a training node
     import matplotlib.pyplot as plt
 

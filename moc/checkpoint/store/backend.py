@@ -98,11 +98,11 @@ def filesystem(protocol: str) -> Any:
                 import fsspec
             except ImportError:
                 raise ValueError(f"a {protocol}:// checkpoint directory needs fsspec: "
-                                 "pip install 'moc[s3]'") from None
+                                 "pip install 's3fs>=2024.6' (moc's s3 extra)") from None
             try:
                 fs = fsspec.filesystem(protocol, **FS_OPTIONS.get(protocol, {}))
             except (ImportError, ValueError) as e:
-                extra = "pip install 'moc[s3]'" if protocol == "s3" else (
+                extra = "pip install 's3fs>=2024.6' (moc's s3 extra)" if protocol == "s3" else (
                     f"install the fsspec implementation of {protocol}://")
                 raise ValueError(f"cannot open a {protocol}:// checkpoint directory ({e}); "
                                  f"{extra}") from None
