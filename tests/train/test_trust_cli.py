@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from moc.injob.machines import machine_pids
 from moc.train.metrics import read_events
 from tests.fs import tmpfs
 
@@ -50,17 +54,31 @@ def test_a_second_job_on_the_same_directory_is_refused_and_the_first_keeps_its_c
          "60", "--seed", "1", "--ckpt-dir", str(ckpt), "--ckpt-interval", "5",
          "--ckpt-mode", "pec", "--keep-last", "2"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
+    stopped, job = False, []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
             time.sleep(0.2)  # the first job is training: it holds the directory
+        # Held still while the second starts (SIGSTOP: alive, holding its lock): on a
+        # busy machine the second's start outlasted the first's 60 steps, and found the
+        # run complete instead of a directory in use (issue 48). Every process of the
+        # job: torchrun starts its workers in sessions of their own.
+        job = machine_pids(first.pid)
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped = True
         second = moc("train", "--nproc", "1", "--config", "tiny", "--steps", "60", "--seed",
                      "2", "--ckpt-dir", str(ckpt), "--ckpt-interval", "5", "--ckpt-mode",
                      "pec", "--keep-last", "2")
-        assert second.returncode != 0
+        assert second.returncode != 0, second.stderr[-2000:]
         assert "is in use by another job: pid" in second.stderr
         assert "Traceback" not in second.stderr
     finally:
+        if stopped:
+            for pid in job:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
     verify = moc("verify", str(ckpt))
