@@ -434,7 +434,11 @@ def _start_with_a_dead_persist(rank: int, world: int, root: str, broken: str) ->
 
 
 def test_a_persist_process_dead_at_start_fails_every_rank_with_rank_0s_error(tmp_path):
-    pkg = tmp_path / "broken" / "torch"  # shadows torch in the persist process only
+    # Shadows `queue` in the persist process only, which its listener imports: it dies
+    # before it listens. (A shadowed torch dies after: the persist process listens first,
+    # and rank 0, admitted, started; its first persist then ends as PERSIST_GONE, which
+    # tests/checkpoint/twolevel/test_persist.py shows.)
+    pkg = tmp_path / "broken" / "queue"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise SystemExit(3)")
     results = run_ranks(_start_with_a_dead_persist, 2, str(tmp_path / "ckpt"),
