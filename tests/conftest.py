@@ -38,6 +38,17 @@ BASE = os.environ.get("MOC_SHM_ROOT") or ("/dev/shm" if os.path.isdir("/dev/shm"
 os.environ.setdefault("MOC_CKPT_PRIORITY", "normal")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files that start real processes first, each file's tests kept together and in
+    order. `make test` runs two workers (pytest-xdist, `--dist loadfile`: a file is one
+    worker's, so its module fixtures run once), which take files in this order: long
+    files first and the short unit files last let both finish together; in file order
+    the last integration file ran alone on one worker while the other had nothing left."""
+    heavy = {item.path for item in items if item.get_closest_marker("integration")}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.path not in heavy, order[id(item)]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_shm_root() -> Iterator[Path]:
     base = Path(BASE or tempfile.gettempdir())
