@@ -88,7 +88,9 @@ def restore_loop(candidates: Iterable[C], attempt: Callable[[C], T], dist: Dist,
         if not failures:
             return value, skipped
         reason = describe(failures, dist.world_size)
-        log.warning("%s is not usable (%s); trying an older one", label(candidate), reason)
+        if dist.rank == 0:  # every rank agreed on the reason: one line, not one a rank
+            log.warning("%s is not usable (%s); trying an older one", label(candidate),
+                        reason)
         skipped.append((candidate, reason))
     return None, skipped
 
@@ -370,7 +372,7 @@ def resume_from_storage(root: Path, state: RankState, dist: Dist, model_meta: di
     chain.advance(manifest)
     ledger.load_json(manifest.tokens)
     stale = bool((chain.saved_at < manifest.step).any())  # experts older than the step
-    plt = ledger.recover(ledger.at_save, manifest.policy, stale)
+    plt = ledger.recover(ledger.at_save, manifest.policy, stale, warn=dist.rank == 0)
     ledger.all_saved()
     return RecoveryReport(result.step, manifest.extra, "storage", result.recovery_s,
                           plt.lost_tokens, plt.lost_per_layer, plt.plt, plt.k, plt.k_before,

@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moc.checkpoint.api import CheckpointEngine
+from moc.checkpoint.policy.tokens import PLTOverBudgetWarning, format_plt
 from moc.checkpoint.preemption import Preemption
 from moc.checkpoint.store.steps import complete_steps
 from moc.checkpoint.store.storage import open_storage
@@ -273,7 +275,9 @@ class Trainer:
         # A rollback is the first attempt's: a restart after a fault continues the
         # rolled-back run from its newest step, not from the rollback's step again.
         rollback = self.cfg.resume_step if self.attempt == 0 else None
-        result = self.checkpointer.restore(rollback) if self.checkpointer else None
+        with warnings.catch_warnings():  # the "resumed from" line below says it once
+            warnings.simplefilter("ignore", PLTOverBudgetWarning)
+            result = self.checkpointer.restore(rollback) if self.checkpointer else None
         if result is None:
             if self.membership is not None and self.membership.gen:
                 self._start_over()
@@ -287,10 +291,11 @@ class Trainer:
                              "steps are set aside as step-N.rolledback")
         self.step = result.extra["step"]
         self.sampler.load_state_dict(result.extra["sampler"])
-        for reason in result.skipped:
-            progress.message(f"skipped corrupt checkpoint: {reason}")
+        # result.skipped: rank 0 has logged each ("step N is not usable (...); trying
+        # an older one"); saying it again here printed every fallback twice (issue 50).
         lost = ("unknown expert tokens lost (no routing recorded)" if result.plt is None
-                else f"{result.lost_tokens} expert tokens lost, PLT {result.plt:.4f}")
+                else f"{result.lost_tokens} expert tokens lost, "
+                     f"{format_plt(result.plt, self.cfg.plt_threshold)}")
         progress.message(f"resumed from checkpoint step {result.step} "
                          f"({result.source}, {result.recovery_s:.2f}s, {lost})")
         if result.passed_over is not None:
@@ -301,8 +306,8 @@ class Trainer:
             "recovery_s": result.recovery_s, "plt": result.plt,
             "lost_tokens": result.lost_tokens, "lost_per_layer": result.lost_per_layer})
         if result.k != result.k_before:
-            progress.message(f"Dynamic-K: PLT {result.plt:.4f} > {self.cfg.plt_threshold}, "
-                             f"K {result.k_before} -> {result.k}")
+            progress.message(f"Dynamic-K: {format_plt(result.plt, self.cfg.plt_threshold)}"
+                             f", K {result.k_before} -> {result.k}")
             self.metrics.emit("dynamic_k", step=result.step, k=result.k, plt=result.plt,
                               k_before=result.k_before)
         return result.step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from moc.checkpoint.dist import Dist
@@ -61,19 +63,28 @@ def _one_rank_sees_corruption(rank: int, world: int) -> tuple:
             raise IncompatibleCheckpointError("step 2 is of another model")
         return step
 
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("moc.checkpoint.recovery").addHandler(handler)
     first = restore_loop([3, 1], attempt, dist)
+    logging.getLogger("moc.checkpoint.recovery").removeHandler(handler)
     try:
         restore_loop([2, 1], attempt, dist)
         second = None
     except IncompatibleCheckpointError as e:
         second = str(e)
-    return first, second
+    return first, second, logged
 
 
 def test_ranks_agree_a_candidate_one_rank_cannot_load_is_skipped_by_all():
-    for (value, skipped), incompatible in run_ranks(_one_rank_sees_corruption, 2):
+    results = run_ranks(_one_rank_sees_corruption, 2)
+    for (value, skipped), incompatible, _ in results:
         assert value == 1 and skipped == [(3, "rank 1: flipped bit in step 3")]
         assert incompatible == "rank 0: step 2 is of another model"  # raised everywhere
+    # The reason is agreed: rank 0 says it, once (every rank said it: issue 50).
+    assert [logged for _, _, logged in results] == [
+        ["3 is not usable (rank 1: flipped bit in step 3); trying an older one"], []]
 
 
 def test_a_skipped_candidate_leaves_no_reference_cycle_behind():

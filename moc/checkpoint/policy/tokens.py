@@ -42,6 +42,19 @@ class RoutingNotRecordedWarning(UserWarning):
     """A partial checkpoint policy runs without routed-token counts."""
 
 
+class PLTOverBudgetWarning(UserWarning):
+    """A recovery left the run's PLT past its budget (`plt_threshold`)."""
+
+
+def format_plt(plt: float | None, budget: float) -> str:
+    """PLT as every message of moc shows it: a percentage against the budget (issue 50:
+    the demo printed `PLT 0.00% (budget 3.75%)` and `moc train` `PLT 0.2340`)."""
+    if plt is None:
+        return f"PLT unknown (no routing recorded; budget {100 * budget:.2f}%)"
+    over = ", OVER" if plt > budget else ""
+    return f"PLT {100 * plt:.2f}% (budget {100 * budget:.2f}%{over})"
+
+
 @dataclass(frozen=True)
 class PLTReport:
     """What one recovery lost, and the K in force after it."""
@@ -221,7 +234,7 @@ class TokenLedger:
         return bool(self.cumulative.any())
 
     def recover(self, at_copy: torch.Tensor, saved_policy: dict[str, Any],
-                stale: bool = True) -> PLTReport:
+                stale: bool = True, warn: bool = False) -> PLTReport:
         """Account a recovery and apply Dynamic-K; call after `load_json`.
 
         `at_copy` is the (layers x experts) cumulative count at the copy of each expert
@@ -229,7 +242,8 @@ class TokenLedger:
         carries ({"k", "lost_base"}, see `policy_json`): a K that Dynamic-K had raised
         in this run is kept, otherwise the K the user configured stays. `stale`: whether
         some expert came back from a copy older than the step restored; without counts
-        (`tracked`) such a recovery's loss is unknown and reported as None.
+        (`tracked`) such a recovery's loss is unknown and reported as None. `warn` (one
+        rank's): a `PLTOverBudgetWarning` when the PLT is now past the budget.
         """
         if self.dynamic_k and "k" in saved_policy:
             self.k = max(self.k, int(saved_policy["k"]))
@@ -244,8 +258,18 @@ class TokenLedger:
                 and self.plt(self.lost_base) > self.plt_threshold):
             self.k = min(2 * self.k, self.n_experts)
             self.lost_base = self.lost.clone()
-        return PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.plt(),
-                         self.k, k_before)
+        report = PLTReport(int(lost_per_layer.sum()), lost_per_layer.tolist(), self.plt(),
+                           self.k, k_before)
+        if warn and report.plt is not None and report.plt > self.plt_threshold:
+            then = (f"Dynamic-K raised K from {k_before} to {self.k} experts per layer"
+                    if self.k != k_before else
+                    "K stays at its maximum" if self.k >= self.n_experts else
+                    f"K stays {self.k}: pass PECPolicy(dynamic_k=True) to raise it, or a "
+                    "larger k")
+            warnings.warn(f"this recovery lost {report.lost_tokens} routed tokens and left "
+                          f"the run's {format_plt(report.plt, self.plt_threshold)}: {then}",
+                          PLTOverBudgetWarning, stacklevel=4)
+        return report
 
     def warn_if_untracked(self, step: int, rank: int) -> None:
         """Warn once, at the first checkpoint (after its counts were summed), when K < N

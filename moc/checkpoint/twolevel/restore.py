@@ -48,4 +48,5 @@ def restore_engine(p: EngineParts, snapshots: Snapshotter, books: EngineState,
     books.restored_from_memory(mem.slot, int(mem.meta.get("snap_index", -1)),
                                mem.meta["ledger"],
                                Manifest.load(p.root, storage[-1]) if storage else None)
-    return mem.report(p.ledger.recover(mem.at_copy, mem.meta, mem.stale))
+    return mem.report(p.ledger.recover(mem.at_copy, mem.meta, mem.stale,
+                                       warn=p.dist.rank == 0))

@@ -5,7 +5,12 @@ import warnings
 import pytest
 import torch
 
-from moc.checkpoint.policy.tokens import RoutingNotRecordedWarning, TokenLedger
+from moc.checkpoint.policy.tokens import (
+    PLTOverBudgetWarning,
+    RoutingNotRecordedWarning,
+    TokenLedger,
+    format_plt,
+)
 
 
 def _sync(ledger: TokenLedger) -> None:
@@ -139,3 +144,31 @@ def test_a_partial_policy_without_counts_warns_once_at_the_first_checkpoint():
         warnings.simplefilter("error")
         ledger.warn_if_untracked(20, rank=0)  # once per run
         TokenLedger(2, 4, k=4).warn_if_untracked(10, rank=0)  # K = N: nothing is lost
+
+
+def test_plt_is_shown_one_way_a_percentage_against_the_budget():
+    """Issue 50: the demo showed `PLT 0.00% (budget 3.75%)` and `moc train` `PLT 0.2340`."""
+    assert format_plt(0.0, 0.0375) == "PLT 0.00% (budget 3.75%)"
+    assert format_plt(0.234, 0.0375) == "PLT 23.40% (budget 3.75%, OVER)"
+    assert format_plt(0.0375, 0.0375) == "PLT 3.75% (budget 3.75%)"  # at it, not past
+    assert format_plt(None, 0.05) == "PLT unknown (no routing recorded; budget 5.00%)"
+
+
+@pytest.mark.parametrize("dynamic_k, then", [
+    (True, "Dynamic-K raised K from 1 to 2 experts per layer"),
+    (False, r"K stays 1: pass PECPolicy\(dynamic_k=True\) to raise it, or a larger k")])
+def test_a_recovery_past_the_budget_warns_on_the_rank_asked_to(dynamic_k, then):
+    """A restore at 9% PLT against a 5% budget said nothing (issue 50): now the rank
+    that reports (`warn`, rank 0's in the engines) warns, saying what follows."""
+    ledger = _lossy_ledger(1, threshold=0.05)
+    ledger.dynamic_k = dynamic_k
+    with pytest.warns(PLTOverBudgetWarning,
+                      match=r"^this recovery lost 10 routed tokens and left the run's PLT "
+                            rf"9\.09% \(budget 5\.00%, OVER\): {then}$"):
+        ledger.recover(ledger.at_save, {}, warn=True)
+    quiet = _lossy_ledger(1, threshold=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.recover(quiet.at_save, {})  # another rank's: no warning
+        calm = _lossy_ledger(1, threshold=0.5)
+        calm.recover(calm.at_save, {}, warn=True)  # under the budget: none either
