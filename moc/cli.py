@@ -308,6 +308,7 @@ def demo() -> int:
     snapshot in shared memory, 1 of 4 experts per layer persisted), a SIGKILL at step
     130, recovery from memory, and what the recovery lost (nothing). Its output,
     runs/demo/, is written (afresh) under the current directory."""
+    from moc.checkpoint.policy.tokens import format_plt  # torch: the launcher has it by now
     from moc.train.metrics import read_events, table
 
     if DEMO_DIR.exists():
@@ -322,6 +323,7 @@ def demo() -> int:
     rc = main(argv)
     if rc:
         return rc
+    budget = build_parser()[1]["train"].get_default("plt_threshold")  # the demo keeps it
     events = read_events(metrics)
     ckpts = [e for e in events if e["event"] == "checkpoint"]
     recoveries = [e for e in events if e["event"] == "recovery"]
@@ -341,7 +343,7 @@ def demo() -> int:
                      f"rank 1 killed at step 130; last step logged {r['step']}, resumed "
                      f"from {r['resumed_from']} ({r['source']}) in {r['recovery_s']:.2f}s"))
         rows.append(("lost tokens", f"{r['lost_tokens']} expert assignments, "
-                                    f"PLT {100 * r['plt']:.2f}% (budget 3.75%)"))
+                                    f"{format_plt(r['plt'], budget)}"))
     for e in events:
         if e["event"] == "dynamic_k":
             rows.append(("Dynamic-K", f"PLT over budget: K {e['k_before']} -> {e['k']} "
@@ -421,7 +423,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     them: every one answers --help). The subcommands' parsers are `OneLineParser`s too."""
     parser = OneLineParser(prog="moc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train the reference MoE model under torchrun")
+    train = sub.add_parser(
+        "train", help="train the reference MoE model under torchrun",
+        usage="%(prog)s [options]",
+        description="Train moc's reference MoE model on --nproc ranks per node under "
+        "torchrun, checkpointing to --ckpt-dir and recovering from faults. Options by "
+        "group; --help-all adds the testing ones (fault injection, benchmark baselines).")
     add_train_args(train, launcher=True)
     run = sub.add_parser(
         "run", help="run your own training script with in-job recovery: a rank that "
@@ -447,8 +454,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                 f"{DEMO_DIR}/ under the current directory)",
                    description=demo.__doc__)
     inspect = sub.add_parser("inspect", help="list a checkpoint directory's steps, the "
-                             "experts each saved and how old every expert's copy is; "
-                             "exit 1 if a step's manifest is CORRUPT (then run verify)")
+                             "experts each saved and how old every expert's copy is, from the "
+                             "manifests and file sizes; exit 1 if a step is CORRUPT or "
+                             "DAMAGED (then run verify, which reads every byte)")
     inspect.add_argument("dir", help="checkpoint directory (--ckpt-dir) or an object "
                          "store URL (s3://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="one JSON document instead")
@@ -534,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             from moc.checkpoint.tools import format_inspect, inspect_checkpoints
 
             info = inspect_checkpoints(args.dir)
-            corrupt = any(s["corrupt"] for s in info["steps"])
+            corrupt = any(s["corrupt"] or s["damaged"] for s in info["steps"])
             return _print(format_inspect(info, as_json=args.json)) or (1 if corrupt else 0)
         if args.command == "export":
             from moc.checkpoint.export import DEFAULT_SHARD_BYTES, export, format_export

@@ -118,6 +118,55 @@ def test_every_option_of_every_command_says_what_it_does(monkeypatch):
     assert not missing, f"options without help text: {missing}"
 
 
+def _help_of(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as e:
+        build_parser()[0].parse_args(argv)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_moc_train_help_is_grouped_and_testing_options_wait_for_help_all(capsys):
+    """Issue 50: 38 options in one flat list, fault injection beside the options a run
+    is configured with. The groups come in reading order; --help leaves the testing
+    group out and names --help-all, which shows it."""
+    short = _help_of(["train", "--help"], capsys)
+    groups = ["ranks and nodes:", "model and data:", "checkpointing:", "recovery:"]
+    assert [short.index(g) for g in groups] == sorted(short.index(g) for g in groups)
+    assert "--help-all" in short and "--ckpt-interval" in short
+    assert "--fault-at" not in short and "testing: fault injection" not in short
+    full = _help_of(["train", "--help-all"], capsys)
+    assert full.index("recovery:") < full.index("testing: fault injection") \
+        < full.index("--fault-at") < full.index("--no-shard")
+
+
+def test_every_option_of_moc_train_states_its_default(monkeypatch):
+    """`--ckpt-interval` and `--keep-last` showed none; an option set by the preset
+    names each preset's value, read from PRESETS (so a changed preset cannot leave the
+    help behind)."""
+    from moc.train.config import PRESETS
+
+    for prog, parser in _every_parser(monkeypatch).items():
+        if prog not in ("moc train", "moc.train"):
+            continue
+        for a in parser._actions:
+            text = getattr(a, "hidden_help", a.help)
+            if a.option_strings and a.dest not in ("help", argparse.SUPPRESS):
+                assert "default" in text, f"{prog} {a.option_strings[0]}: {text}"
+        interval = next(a for a in parser._actions if a.dest == "ckpt_interval").help
+        assert all(f"{name} {cfg['ckpt_interval']}" in interval
+                   for name, cfg in PRESETS.items()), interval
+
+
+def test_the_hidden_testing_options_still_reach_the_workers():
+    from moc.train.cli_args import worker_argv
+
+    parser = build_parser()[1]["train"]
+    args = parser.parse_args(["--fault-at", "7", "--no-shard", "--steps", "9"])
+    argv = worker_argv(args, parser)
+    assert argv[argv.index("--fault-at") + 1] == "7" and "--no-shard" in argv
+    assert "--help-all" not in argv
+
+
 @pytest.mark.parametrize("command", [["train"], ["inspect", "DIR"], ["verify", "DIR"],
                                      ["export", "DIR", "OUT"], ["demo"], ["bench", "size"],
                                      ["simulate"]], ids=" ".join)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
         {"dir": str,
          "steps": [{"step": int, "mode": str, "bytes": int, "files": int, "keys": int,
                     "k": int | "all", "experts_saved": {"<layer>": [ids]} | "all",
-                    "corrupt": None | str}, ...],          # oldest first
+                    "corrupt": None | str, "damaged": None | str}, ...],  # oldest first
          "newest": {"step": int, "by": "moe_layer" | "stem", "n_experts": int,
                     "expert_age": {"<layer or stem>": [age or None, by expert id]}} | None,
          "superseded": [{"step": int, "bytes": int, "read_by": [int]}, ...]}
@@ -161,9 +161,12 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
     once none does.
 
     A step whose manifest cannot be loaded is listed with `corrupt` set to the reason
-    and None elsewhere. `newest` describes the newest step whose manifest loads (recovery
-    skips unreadable manifests too), None if there is none. Raises ValueError when `root` is
-    missing or holds no complete step.
+    and None elsewhere. `damaged`: the first file of the step that is missing or not the
+    size its manifest records (a stat per file: a truncated shard is found here, a
+    flipped byte only by `verify_checkpoints`, which reads every byte). `newest`
+    describes the newest step whose manifest loads (recovery skips unreadable manifests
+    too), None if there is none. Raises ValueError when `root` is missing or holds no
+    complete step.
     """
     storage = open_storage(root)
     root = storage.root
@@ -176,20 +179,40 @@ def inspect_checkpoints(root: str | Path) -> dict[str, Any]:
         except (CorruptCheckpointError, IncompatibleCheckpointError) as e:
             steps.append({"step": step, "mode": None, "bytes": None, "files": None,
                           "keys": None, "k": None, "experts_saved": None,
-                          "corrupt": _strip_path(str(e), step_dir(root, step) / MANIFEST)})
+                          "corrupt": _strip_path(str(e), step_dir(root, step) / MANIFEST),
+                          "damaged": None})
             continue
         newest = manifest
         reads[step] = referenced_steps(manifest)
+        wrong = next((f"{path.name}: {problem}"
+                      for path, problem in _file_sizes(root, step, manifest)
+                      if problem is not None), None)
         steps.append({"step": step, "mode": manifest.mode,
                       "bytes": sum(manifest.files.values()), "files": len(manifest.files),
                       "keys": len(manifest.entries), "k": _k_of(manifest),
-                      "experts_saved": _experts_saved_of(manifest), "corrupt": None})
+                      "experts_saved": _experts_saved_of(manifest), "corrupt": None,
+                      "damaged": wrong})
     superseded = [{"step": step, "bytes": _rank_bytes(root, step),
                    "read_by": sorted(s for s, needs in reads.items() if step in needs)}
                   for step in _superseded_steps(root)]
     return {"dir": str(root), "steps": steps,
             "newest": None if newest is None else expert_ages(newest),
             "superseded": superseded}
+
+
+def _file_sizes(root: Path | ObjectPath, step: int, manifest: Manifest
+                ) -> Iterator[tuple[Path | ObjectPath, str | None]]:
+    """Each file the manifest of `step` lists, and what is wrong with it by its size
+    alone (missing, or not the size recorded), None if nothing: a stat per file, no byte
+    read. `inspect` and `verify` both check it."""
+    for name, size in manifest.files.items():
+        path = step_dir(root, step) / name
+        if not path.is_file():
+            yield path, f"file is missing (manifest of step {step} records {size} bytes)"
+        elif (actual := path.stat().st_size) != size:
+            yield path, f"size is {actual} bytes, manifest of step {step} records {size}"
+        else:
+            yield path, None
 
 
 def _superseded_steps(root: Path | ObjectPath) -> list[int]:
@@ -235,16 +258,23 @@ def format_inspect(info: dict[str, Any], as_json: bool = False) -> str:
     document (`as_json`) for machines."""
     if as_json:
         return json.dumps(info, indent=1)
-    lines = [f"checkpoints in {info['dir']}: {len(info['steps'])} complete step(s)", ""]
+    lines = [f"checkpoints in {info['dir']}: {len(info['steps'])} committed step(s)", ""]
     rows = [["step", "mode", "bytes", "K", "experts saved (MoE layer: expert ids)"]]
     for s in info["steps"]:
         if s["corrupt"] is not None:
             rows.append([str(s["step"]), "CORRUPT", "", "", s["corrupt"]])
+        elif s["damaged"] is not None:
+            rows.append([str(s["step"]), "DAMAGED", _human_bytes(s["bytes"]), "",
+                         s["damaged"]])
         else:
             rows.append([str(s["step"]), s["mode"], _human_bytes(s["bytes"]), str(s["k"]),
                          _saved_text(s["experts_saved"])])
     lines += _columns(rows, right={0, 2})
     lines += _superseded_lines(info.get("superseded") or [])
+    bad = [str(s["step"]) for s in info["steps"] if s["corrupt"] or s["damaged"]]
+    lines += ["", (f"step(s) {', '.join(bad)} cannot be restored as listed; " if bad else "")
+              + "file sizes checked, checksums not: `moc verify "
+              f"{info['dir']}` reads every byte"]
     newest = info["newest"]
     if newest is None:
         lines += ["", "no step has a readable manifest: nothing to restore from"]
@@ -360,15 +390,10 @@ def verify_checkpoints(root: str | Path, only: Iterable[int] | None = None) -> V
         report.steps.append(step)
         if not _same_line(root, manifest, run_id, manifests, report):
             report.damaged_steps.append(step)
-        for name, size in manifest.files.items():
-            path = step_dir(root, step) / name
+        for path, problem in _file_sizes(root, step, manifest):
             files.add(path)
-            if not path.is_file():
-                report.flag(path, f"file is missing (manifest of step {step} records "
-                                  f"{size} bytes)")
-            elif path.stat().st_size != size:
-                report.flag(path, f"size is {path.stat().st_size} bytes, manifest of step "
-                                  f"{step} records {size}")
+            if problem is not None:
+                report.flag(path, problem)
         if not _pieces_tile(root, manifest, report) and step not in report.damaged_steps:
             report.damaged_steps.append(step)
         reader = CheckpointReader(root, manifest)

@@ -134,8 +134,8 @@ def test_inspect_json_parses_and_has_every_field(tmp_path, capsys):
     assert info["dir"] == str(tmp_path)
     for s in info["steps"]:
         assert set(s) == {"step", "mode", "bytes", "files", "keys", "k", "experts_saved",
-                          "corrupt"}
-        assert s["corrupt"] is None
+                          "corrupt", "damaged"}
+        assert s["corrupt"] is None and s["damaged"] is None
     assert info["steps"][1]["experts_saved"] == {"0": [1], "1": [2]}
     assert info["newest"]["expert_age"]["1"] == [20, 20, 10, 0]
 
@@ -208,6 +208,32 @@ def test_full_saves_show_k_and_experts_saved_as_all(tmp_path, capsys):
             experts_saved={"0": [0, 1, 2, 3], "1": [3, 2, 1, 0]})
     newest = inspect_checkpoints(tmp_path)["steps"][-1]
     assert (newest["step"], newest["k"], newest["experts_saved"]) == (3, "all", "all")
+
+
+def test_inspect_finds_a_truncated_shard_and_points_to_verify(tmp_path, capsys):
+    """Issue 50: a step with a truncated shard was listed as complete, with no word that
+    nothing but the manifests had been read. Sizes are checked (a stat per file); what
+    sizes cannot show (a flipped byte) is `moc verify`'s, and the output says so."""
+    _partial_chain(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (f"\nfile sizes checked, checksums not: `moc verify {tmp_path}` reads every "
+            "byte\n") in out, out
+    shard = next(p for p in sorted(step_dir(tmp_path, 20).iterdir())
+                 if p.name != MANIFEST and p.stat().st_size > 8)
+    size = shard.stat().st_size
+    os.truncate(shard, size - 8)
+    info = inspect_checkpoints(tmp_path)
+    assert [s["damaged"] is not None for s in info["steps"]] == [False, True, False]
+    assert info["steps"][1]["damaged"] == (f"{shard.name}: size is {size - 8} bytes, "
+                                           f"manifest of step 20 records {size}")
+    assert main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:2] == ["20", "DAMAGED"])
+    assert shard.name in row
+    assert "step(s) 20 cannot be restored as listed; file sizes checked" in out
+    shard.unlink()
+    assert "file is missing" in inspect_checkpoints(tmp_path)["steps"][1]["damaged"]
 
 
 def test_inspect_reports_a_corrupt_manifest_instead_of_crashing(tmp_path, capsys):
