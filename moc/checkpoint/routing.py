@@ -140,6 +140,8 @@ class RoutingRecorder:
         self.spec = spec if spec is not None else ExpertSpec.infer(model)
         hooked = (find_routers(model, self.spec) if routers is None
                   else _named_routers(model, self.spec, routers))
+        if indices is None and top_k is None:
+            _refuse_logits_without_k(hooked, self.spec.n_experts)
         self.routers: dict[int, nn.Module] = {m: h.module for m, h in sorted(hooked.items())}
         """The router hooked for each MoE layer (found ones: its block is hooked too)."""
         self._own_ledger = ledger is None
@@ -304,6 +306,22 @@ def read_counts(module: nn.Module, output: Any, n_experts: int, top_k: int | Non
         "indices=fn) with fn(module, inputs, output) -> LongTensor of global expert ids")
 
 
+def _refuse_logits_without_k(hooked: Mapping[int, Hooked], n_experts: int) -> None:
+    """Refuse at the call, not at the first forward, a router that can only return
+    logits (an `nn.Linear` with an output per expert) when no k is known to take their
+    top-k with: the recorder could not count that layer (issue 50: a 20-line traceback
+    from a hook at the first forward). A block that returns its own counts would not
+    need k; one that does is rare enough to be told to pass `top_k=` all the same."""
+    for layer, h in sorted(hooked.items()):
+        if (h.top_k is None and isinstance(h.module, nn.Linear)
+                and h.module.out_features == n_experts):
+            raise ValueError(
+                f"MoE layer {layer}'s router is an nn.Linear returning logits, and neither it "
+                f"nor its block{' ' + type(h.block).__name__ if h.block is not None else ''} "
+                "has a top_k: pass watch_routing(model, top_k=k), k the experts each token "
+                "is routed to")
+
+
 def _members(output: Any) -> list[Any]:
     """The output itself if a tensor, else the members of a tuple or list, or the fields
     of an object (moc's `Routing` dataclass): one level, no deeper."""
@@ -355,8 +373,7 @@ def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
                      else "experts in several modules")
             missing.append(f"layer {layer} ({where}, experts {', '.join(sorted(containers))})")
             continue
-        found[layer] = Hooked(router, block, getattr(router, "top_k", None) or
-                              getattr(block, "top_k", None))
+        found[layer] = Hooked(router, block, _top_k(router) or _top_k(block))
     if missing:
         raise ValueError(
             f"found a router for {len(found)} of the {spec.n_moe_layers} MoE layers: no "
@@ -365,6 +382,17 @@ def find_routers(model: nn.Module, spec: ExpertSpec) -> dict[int, Hooked]:
             "{layer: module, ...}, indices=fn) with fn(module, inputs, output) -> global "
             "expert ids, or call recorder.observe(layer, ids) from the forward")
     return found
+
+
+def _top_k(module: nn.Module | None) -> int | None:
+    """A module's k as transformers and torchtitan name it: `top_k` (transformers'
+    blocks, torchtitan's router), else `num_experts_per_tok` (a config's name, kept on
+    some blocks)."""
+    for name in ("top_k", "num_experts_per_tok"):
+        k = getattr(module, name, None)
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+            return k
+    return None
 
 
 def _routed_block(named: dict[str, nn.Module], name: str | None, others: set[str]

@@ -356,12 +356,28 @@ class Scores(nn.Module):
         return x, x.softmax(-1)
 
 
+class Logits(nn.Module):
+    """A router returning (logits, probabilities) over the 4 experts, and no top_k."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[..., :4], x[..., :4].softmax(-1)
+
+
 def test_a_router_whose_output_cannot_be_read_says_how_to_plug_it():
+    """A router whose output is known only when it runs (`Scores`, not an nn.Linear)
+    can only be refused at its first forward; an nn.Linear is refused at the call."""
     model = nn.Sequential(Chooser(), Chooser(), Scores()).train()
-    recorder = RoutingRecorder(model, routers={0: model[0].choose, 1: model[2]})
+    with pytest.raises(ValueError, match=r"^MoE layer 0's router is an nn.Linear returning "
+                                         r"logits.*pass watch_routing\(model, top_k=k\)"):
+        RoutingRecorder(model, routers={0: model[0].choose, 1: model[2]})
+    recorder = RoutingRecorder(model, routers={0: model[0], 1: model[2]},
+                               indices=lambda m, i, o: o[..., 0].long().clamp(0, 3))
+    recorder.remove()  # with indices= the Linear's k is not needed
+    logits = nn.Sequential(Chooser(), Chooser(), Logits()).train()
+    recorder = RoutingRecorder(logits, routers={1: logits[2]})
     with pytest.raises(ValueError, match=r"no top_k is known: pass watch_routing\(model, "
                                          r"top_k=k\)"):
-        model(torch.randn(2, 8))
+        logits(torch.randn(2, 8))
     recorder.remove()
     recorder = RoutingRecorder(model, routers={1: model[2]})
     with pytest.raises(TypeError, match=r"cannot read the experts Scores chose.*indices=fn"):
@@ -382,11 +398,10 @@ class RouterBlock(Chooser):
 def test_a_block_whose_router_returns_logits_is_counted_with_its_top_k():
     torch.manual_seed(0)
     model = nn.Sequential(RouterBlock(), RouterBlock()).train()
-    recorder = RoutingRecorder(model)
-    with pytest.raises(ValueError, match=r"Linear returns router logits but no top_k is "
-                                         r"known: pass watch_routing\(model, top_k=k\)"):
-        model(torch.randn(2, 8))
-    recorder.remove()
+    with pytest.raises(ValueError, match=r"^MoE layer 0's router is an nn.Linear returning "
+                                         r"logits, and neither it nor its block RouterBlock "
+                                         r"has a top_k: pass watch_routing\(model, top_k=k\)"):
+        RoutingRecorder(model)  # at the call, not at the first forward (issue 50)
     recorder = RoutingRecorder(model, top_k=1)
     x = torch.randn(6, 8)
     model(x)
