@@ -1,5 +1,5 @@
 """Progress bars are drawn for a human at a terminal and for no one else: a log, a pipe
-or CI sees exactly the plain output it saw before bars existed."""
+or CI sees a plain line every few seconds instead, and nothing from a short command."""
 
 from __future__ import annotations
 
@@ -39,15 +39,46 @@ def terminal(request, monkeypatch):
     os.close(master)
 
 
-def test_progress_draws_nothing_when_the_stream_is_not_a_terminal(monkeypatch):
+class Clock:
+    """`time.monotonic` for moc.progress, moved by the test: no test waits or depends on
+    how fast the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_without_a_terminal_is_silent_for_a_short_command(monkeypatch):
     monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr("moc.progress.time.monotonic", clock := Clock())
     out = io.StringIO()
     with progress(5, "bench size", "run", stream=out) as bar:
         assert not bar.active
         for name in "abcde":
             bar.note(name)
+            clock.now += 0.5
             bar.update()
     assert out.getvalue() == ""
+
+
+def test_progress_without_a_terminal_is_a_line_every_few_seconds(monkeypatch):
+    """Issue 50: `moc bench size` piped into a file printed nothing for 1 min 41 s."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr("moc.progress.time.monotonic", clock := Clock())
+    out = io.StringIO()
+    with progress(8, "bench size", "run", stream=out, disable=True) as bar:
+        for i, name in enumerate(["blocking", "pec-k1", "pec-k2", "pec-k4"]):
+            bar.note(name)  # 12 s a run: a line as each one ends
+            clock.now += 12
+            bar.update(2)
+            assert out.getvalue().count("\n") == i + 1
+    lines = out.getvalue().splitlines()
+    assert lines == ["bench size: 2/8 run, 12 s, about 36 s left (blocking)",
+                     "bench size: 4/8 run, 24 s, about 24 s left (pec-k1)",
+                     "bench size: 6/8 run, 36 s, about 12 s left (pec-k2)",
+                     "bench size: 8/8 run, 48 s (pec-k4)"]
 
 
 def test_progress_write_is_a_plain_line_without_a_terminal(monkeypatch):
