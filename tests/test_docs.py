@@ -107,3 +107,78 @@ def test_every_relative_link_of_the_readme_exists():
         if not (REPO / path).exists():
             missing.append(target)
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------- transcripts
+
+TRANSCRIPT = re.compile(r"<!-- transcript: (?P<command>[^>]+?) -->\n+```[a-z]*\n"
+                        r"(?P<lines>.*?)```", re.S)
+"""A block the docs quote from a command's output, marked by the comment before it:
+
+    <!-- transcript: moc demo -->
+    ```
+    moc train: rank 1: injecting a fault at step 130 ...
+    ```
+"""
+
+
+def transcripts() -> dict[str, list[tuple[str, str]]]:
+    """{command: [(page, quoted line), ...]} of every marked block under docs/ and in
+    the README."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for page in [README, *sorted((REPO / "docs").rglob("*.md"))]:
+        for m in TRANSCRIPT.finditer(page.read_text()):
+            found.setdefault(m["command"], []).extend(
+                (str(page.relative_to(REPO)), line)
+                for line in m["lines"].splitlines() if line.strip())
+    return found
+
+
+def quoted(line: str) -> re.Pattern[str]:
+    """The lines of output a quoted line stands for: its words as written, any number
+    (a pid, a time, a step, a loss) where it has one, and anything where it has `...`
+    (a path, a shortened line)."""
+    pattern = ""
+    for piece in re.split(r"(\.\.\.|\d+(?:\.\d+)?)", line.strip()):
+        if piece == "...":
+            pattern += ".*?"
+        elif re.fullmatch(r"\d+(?:\.\d+)?", piece):
+            pattern += r"\d+(?:\.\d+)?"
+        else:
+            pattern += re.escape(piece)
+    return re.compile(pattern)
+
+
+def missing_lines(quotes: list[tuple[str, str]], output: str) -> list[str]:
+    lines = [line.strip() for line in output.splitlines()]
+    return [f"{page}: {line}" for page, line in quotes
+            if not any(quoted(line).fullmatch(out) for out in lines)]
+
+
+def test_a_quoted_line_stands_for_its_words_not_its_numbers():
+    pattern = quoted("resumed from checkpoint step 125 (memory, 0.02s, ...)")
+    assert pattern.fullmatch("resumed from checkpoint step 75 (memory, 1.5s, 0 lost)")
+    assert not pattern.fullmatch("resumed from step 75 (memory, 1.5s, 0 lost)")
+    assert missing_lines([("p.md", "rank 1: died")], "x\n  rank 1: died\n") == []
+    assert missing_lines([("p.md", "rank 1: died")], "rank 1: died (SIGKILL)") == \
+        ["p.md: rank 1: died"]
+
+
+@pytest.mark.integration  # the demo: 2 ranks, 200 steps, a SIGKILL
+def test_the_docs_quote_what_the_demo_prints(tmp_path):
+    """Issue 50: getting-started quoted a fault transcript two releases old (torchrun's
+    restart of both ranks) while the demo had long replaced the lost rank in-job. Every
+    line of a block marked `<!-- transcript: moc demo -->` must be a line the demo
+    prints today; the same lines with one word changed must not be (the check can
+    fail)."""
+    quotes = transcripts().get("moc demo")
+    assert quotes and len(quotes) >= 5, "the marked demo transcripts are gone"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "moc", "demo"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert missing_lines(quotes, output) == [], output[-8000:]
+    changed = [(page, re.sub(r"[a-z]{4,}", lambda w: w[0][::-1], line, count=1))
+               for page, line in quotes]
+    assert len(missing_lines(changed, output)) == len(changed)
