@@ -10,9 +10,10 @@ Each strategy trains a few steps with a checkpoint every step. The first checkpo
 PEC chain saves every expert (there is no older copy yet), and so does the run's final
 one (complete by design: whoever continues or exports a finished run gets every expert
 of one step), so the figure reported is the median over the checkpoints between them
-(issue 50: with --steps 3 the final one made K=1 read 1.9 MB against 1.2 MB predicted). Beside each measurement the table prints the paper's
-size model, C = (P_ne + K/N P_e)(B_w + B_o), with B_w = 4 (fp32 weights) and B_o = 8
-(AdamW's two fp32 moments); the difference is metadata (headers, RNG, step counters).
+(issue 50: with --steps 3 the final one made K=1 read 1.9 MB against 1.2 MB
+predicted). Beside each measurement the table prints the paper's size model,
+C = (P_ne + K/N P_e)(B_w + B_o), with B_w = 4 (fp32 weights) and B_o = 8 (AdamW's two
+fp32 moments); the difference is metadata (headers, RNG, step counters).
 """
 
 from __future__ import annotations
