@@ -70,6 +70,17 @@ class Generation(Generic[E]):
     replaced: list[int] = field(default_factory=list)
     """The ranks whose processes are new in this generation (empty in generation 0)."""
 
+    def own(self, engine: E) -> None:
+        """Give `run` an engine that `train` built, as a framework builds one with the
+        model it builds (torchtitan's Trainer, `moc.integrations.torchtitan.run`): `run`
+        then owns it as it owns the one its `engine` makes, abandoning it when a peer is
+        lost (after the process groups are dropped) and closing it when `train`
+        returns. Whoever built it must not close it too."""
+        if self.engine is not None:
+            raise ValueError(f"generation {self.number} already has its engine "
+                             f"({type(self.engine).__name__}); one engine a generation")
+        self.engine = engine
+
 
 class _Steps:
     """The optimizers' steps in this process, counted by a global step hook: the

@@ -17,6 +17,8 @@ In a loop of your own (the objects torchtitan's Trainer builds, handed as they a
 In torchtitan's own Trainer, with no code: `MocCheckpointManager`, a torchtitan
 `BaseCheckpointManager` configured the torchtitan way (`checkpoint=MocCheckpointManager
 .Config(enable=True, interval=10, k=1)` in the job config; docs/guide/torchtitan.md).
+With in-job recovery, under `moc run` (a lost rank replaced, the others keep their
+processes): `run(lambda gen: config.build())` instead of building and training it.
 
 What is saved, and by whom:
 
@@ -41,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +59,9 @@ from moc.checkpoint.routing import RoutingRecorder
 from moc.checkpoint.shards import local
 from moc.checkpoint.twolevel.checkpointer import TwoLevelCheckpointer
 from moc.integrations.loopstate import decode_state, encode_state, gather_json
+
+if TYPE_CHECKING:
+    from moc.injob.loop import Generation
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,7 @@ class TitanCheckpointer:
         self.report: RecoveryReport | None = None
         """The last restore's report (its source, PLT and lost tokens); None before."""
         self.recorder: RoutingRecorder | None = self.engine.watch_routing(self.model)
+        self._owns_engine = True
 
     # -- the loop's calls -----------------------------------------------------------------
 
@@ -145,7 +152,15 @@ class TitanCheckpointer:
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.remove()
-        self.engine.close()
+        if self._owns_engine:
+            self.engine.close()
+
+    def hand_over(self) -> TwoLevelCheckpointer:
+        """The engine, which whoever takes it now closes (or abandons): `close` leaves
+        it. In-job recovery's generation takes it (`run`), since it must abandon the
+        engine when a peer is lost, after the process groups are dropped."""
+        self._owns_engine = False
+        return self.engine
 
     # -- the loop state -------------------------------------------------------------------
 
@@ -277,3 +292,39 @@ class MocCheckpointManager(BaseCheckpointManager):
 
     def _close(self) -> None:
         self.ckpt.close()
+
+
+T = TypeVar("T")
+
+
+def run(build: Callable[[Generation], T]) -> T:
+    """torchtitan's Trainer with in-job recovery, under `moc run` (its rank hosts):
+
+        trainer = moc.integrations.torchtitan.run(lambda gen: config.build())
+
+    In each generation of the job, `build(gen)` makes the Trainer: torchtitan's
+    `init_distributed` finds the generation's process group formed and keeps it, and
+    the model is parallelised over it. Its `MocCheckpointManager`'s engine is handed to
+    the generation (`Generation.own`), `train()` runs, and the Trainer is closed. When a
+    peer is lost, the survivors keep their processes: the Trainer of the lost
+    generation is dropped (its process groups are gone, and FSDP's and EP's meshes with
+    them), its engine abandoned (its snapshots stay in memory), and the next
+    generation's Trainer restores from them. Returns the last Trainer, trained.
+
+    Without a rank host (plain torchrun) it trains once, as `moc.run` does."""
+    from moc.injob.loop import run as run_in_job
+
+    def train(gen: Generation) -> T:
+        trainer = build(gen)
+        manager = getattr(trainer, "checkpointer", None)
+        if not (isinstance(manager, MocCheckpointManager) and manager.enable):
+            raise ValueError(
+                "moc.integrations.torchtitan.run needs the Trainer's checkpointer to be "
+                "moc's: checkpoint=MocCheckpointManager.Config(enable=True, ...) in the "
+                f"job config (got {type(manager).__name__})")
+        gen.own(manager.ckpt.hand_over())
+        trainer.train()  # type: ignore[attr-defined]
+        trainer.close()  # type: ignore[attr-defined]
+        return trainer
+
+    return run_in_job(train)

@@ -123,3 +123,34 @@ def test_fresh_job_restores_from_storage_bitwise(runs: dict[str, Path]) -> None:
             KILL_AT, "storage", 0, STEPS), rec
         assert rec["sources"] == {"storage": list(range(WORLD))}, rec
         assert losses(storage, rank, 0) == after(ref, KILL_AT)
+
+
+def test_under_moc_run_a_sigkilled_rank_is_replaced_and_the_survivor_keeps_its_process(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    """In-job recovery for torchtitan's Trainer (issue 49): the driver under `moc run`
+    (`--in-job`: `moc.integrations.torchtitan.run` builds the Trainer per generation).
+    Rank 1 SIGKILLed after step KILL_AT was checkpointed: its host starts a new process,
+    rank 0 keeps its own, leaves the generation, builds the next generation's Trainer
+    and restores step KILL_AT from its memory with the newcomer, and steps KILL_AT+1 to
+    STEPS repeat the uninterrupted run's losses bitwise."""
+    out = tmp_path / "in-job"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "MOC_SHM_ROOT": str(out / "shm"), "TITAN_DUMP_S": "400"}
+    cmd = [sys.executable, "-m", "moc", "run", "--nproc", str(WORLD), str(DRIVER),
+           "--in-job", "--dump", str(out / "dump"), "--out", str(out), "--steps",
+           str(STEPS), "--interval", str(INTERVAL), "--k", "1", "--kill-at", str(KILL_AT)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    ref = losses(runs["reference"], 0, 0)
+    for rank in range(WORLD):
+        assert losses(out, rank, 0) == {s: v for s, v in ref.items() if s <= KILL_AT}
+        rec = record(out, rank, 1)
+        assert (rec["attempt"], rec["start"], rec["source"], rec["lost_tokens"],
+                rec["end"]) == (1, KILL_AT, "memory", 0, STEPS), rec
+        assert losses(out, rank, 1) == after(ref, KILL_AT)
+    pid = {(rank, gen): int((out / f"pid-{rank}-{gen}").read_text())
+           for rank in range(WORLD) for gen in (0, 1)}
+    assert pid[0, 0] == pid[0, 1] == record(out, 0, 1)["pid"], pid  # the survivor's own
+    assert pid[1, 0] != pid[1, 1] == record(out, 1, 1)["pid"], pid  # replaced
+    assert not (out / "pid-0-2").exists(), "a second fault nobody injected"

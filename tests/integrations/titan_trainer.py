@@ -310,7 +310,15 @@ class KillAfterCheckpoint(Trainer):
 # -- the job ----------------------------------------------------------------------------
 
 
+GENERATION: int | None = None
+"""Under `moc run` (--in-job): the generation being trained (`moc.Generation.number`)."""
+
+
 def attempt() -> int:
+    """torchrun's restart count, or under `moc run` the generation: each is a new start
+    of `train()`, the first one 0."""
+    if GENERATION is not None:
+        return GENERATION
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -342,9 +350,13 @@ def job_config(a: argparse.Namespace, hf_assets: Path, losses_file: Path) -> Tra
         # The Trainer shortens its collectives' timeout to this after its first step
         # (default 100 s); a loaded test machine may need longer.
         comm=CommConfig(train_timeout_seconds=600),
+        # persist_policy "wait": every checkpoint reaches storage. With "skip" (the
+        # default) a checkpoint taken while the previous one still persists stays in
+        # memory only, and on a busy machine step KILL_AT was never on storage for the
+        # storage job to load (seen: "the persist of step 2 is still running").
         checkpoint=MocCheckpointManager.Config(
             enable=True, interval=a.interval, k=None if a.k == "all" else int(a.k),
-            load_step=a.load_step),
+            load_step=a.load_step, persist_policy="wait"),
     )
 
 
@@ -358,37 +370,75 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--load-step", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--in-job", action="store_true",
+                    help="under `moc run`: moc.integrations.torchtitan.run builds the "
+                         "Trainer in each generation; a lost rank is replaced and the "
+                         "others keep their processes")
     a = ap.parse_args()
 
     init_logger()  # as torchtitan/train.py does
     use_cpu()
     add_set_timeout()
+    out = Path(a.out)
+    if a.in_job:
+        in_job(a, out)
+        return
     moc.init_distributed("gloo")
     rank = dist.get_rank()
-    out, hf_assets = Path(a.out), Path(a.dump) / "tokenizer"
+    hf_assets = Path(a.dump) / "tokenizer"
     if rank == 0:
         build_tokenizer(hf_assets)
     dist.barrier()
-    config = job_config(a, hf_assets, out / f"losses-{rank}-{attempt()}.json")
-    if a.kill_at:
-        KillAfterCheckpoint.kill_at = a.kill_at
-        trainer: Trainer = KillAfterCheckpoint(config)
-    else:
-        trainer = config.build()
+    trainer = make_trainer(a, hf_assets, out / f"losses-{rank}-{attempt()}.json")
     try:
         trainer.train()
     finally:
         trainer.close()
+    write_record(trainer, out, rank, dist.get_world_size())
+    dist.destroy_process_group()
+
+
+def make_trainer(a: argparse.Namespace, hf_assets: Path, losses_file: Path) -> Trainer:
+    config = job_config(a, hf_assets, losses_file)
+    if a.kill_at:
+        KillAfterCheckpoint.kill_at = a.kill_at
+        return KillAfterCheckpoint(config)
+    return config.build()
+
+
+def write_record(trainer: Trainer, out: Path, rank: int, world: int) -> None:
+    """What `rank` restored and trained in this attempt, and which process did."""
     assert isinstance(trainer.checkpointer, MocCheckpointManager)
     report = trainer.checkpointer.ckpt.report
     (out / f"record-{rank}-{attempt()}.json").write_text(json.dumps({
-        "attempt": attempt(), "world": dist.get_world_size(),
+        "attempt": attempt(), "world": world, "pid": os.getpid(),
         "start": report.step if report else 0,
         "source": report.source if report else None,
         "sources": report.sources if report else None,
         "lost_tokens": report.lost_tokens if report else None,
         "end": trainer.step}))
-    dist.destroy_process_group()
+
+
+def in_job(a: argparse.Namespace, out: Path) -> None:
+    """torchtitan's Trainer under `moc run`: built in each generation by
+    `moc.integrations.torchtitan.run`, on the process group moc formed for it. Each rank
+    makes its own copy of the tokenizer (a replacement process joins later, alone). A
+    generation a fault cut short leaves its losses file; the last one's record is
+    written once the job is done."""
+    from moc.integrations.torchtitan import run
+
+    gens: list[moc.Generation] = []
+
+    def build(gen: moc.Generation) -> Trainer:
+        global GENERATION
+        GENERATION = gen.number
+        gens.append(gen)
+        (out / f"pid-{gen.rank}-{gen.number}").write_text(str(os.getpid()))
+        hf_assets = build_tokenizer(Path(a.dump) / f"tokenizer-{gen.rank}")
+        return make_trainer(a, hf_assets, out / f"losses-{gen.rank}-{gen.number}.json")
+
+    trainer = run(build)
+    write_record(trainer, out, gens[-1].rank, gens[-1].world_size)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,29 @@ def test_run_in_one_process_enters_train_once_and_closes_its_engine(tmp_path):
     moc.Checkpointer(model, optimizer, tmp_path / "ckpt").close()
 
 
+def test_an_engine_train_builds_is_owned_by_run_and_closed_once(tmp_path):
+    """`Generation.own`: an engine made inside `train` (as torchtitan's Trainer makes
+    its own) is closed by `run` when `train` returns, as `run`'s own would be; a second
+    engine for one generation is refused."""
+    config = ModelConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=1,
+                         d_ffn=8, n_experts=2)
+    model = Transformer(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(gen: moc.Generation) -> None:
+        assert gen.engine is None
+        gen.own(moc.Checkpointer(model, optimizer, tmp_path / "ckpt"))
+        other = moc.Checkpointer(model, optimizer, tmp_path / "other")
+        with pytest.raises(ValueError, match="already has its engine"):
+            gen.own(other)
+        other.close()
+        gen.engine.save(1, {})
+
+    moc.run(train)
+    assert (tmp_path / "ckpt" / "step-00000001" / "manifest.json").exists()
+    moc.Checkpointer(model, optimizer, tmp_path / "ckpt").close()  # run closed it
+
+
 def test_a_process_group_made_before_run_under_a_host_is_one_clear_error(tmp_path,
                                                                         monkeypatch):
     """Under a host `moc.run` forms the default group in each generation; a script that
