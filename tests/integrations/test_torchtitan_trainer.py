@@ -125,21 +125,24 @@ def test_fresh_job_restores_from_storage_bitwise(runs: dict[str, Path]) -> None:
         assert losses(storage, rank, 0) == after(ref, KILL_AT)
 
 
-def test_under_moc_run_a_sigkilled_rank_is_replaced_and_the_survivor_keeps_its_process(
-        runs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", [(), ("--stop",)], ids=["SIGKILL", "SIGSTOP"])
+def test_under_moc_run_a_lost_rank_is_replaced_and_the_survivor_keeps_its_process(
+        runs: dict[str, Path], tmp_path: Path, fault: tuple[str, ...]) -> None:
     """In-job recovery for torchtitan's Trainer (issue 49): the driver under `moc run`
     (`--in-job`: `moc.integrations.torchtitan.run` builds the Trainer per generation).
-    Rank 1 SIGKILLed after step KILL_AT was checkpointed: its host starts a new process,
-    rank 0 keeps its own, leaves the generation, builds the next generation's Trainer
-    and restores step KILL_AT from its memory with the newcomer, and steps KILL_AT+1 to
-    STEPS repeat the uninterrupted run's losses bitwise."""
+    Rank 1 SIGKILLed, or SIGSTOPped (found by its host's watch after 5 s without a
+    heartbeat, and killed), after step KILL_AT was checkpointed: its host starts a new
+    process, rank 0 keeps its own, leaves the generation, builds the next generation's
+    Trainer and restores step KILL_AT from its memory with the newcomer, and steps
+    KILL_AT+1 to STEPS repeat the uninterrupted run's losses bitwise."""
     out = tmp_path / "in-job"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "MOC_SHM_ROOT": str(out / "shm"), "TITAN_DUMP_S": "400"}
-    cmd = [sys.executable, "-m", "moc", "run", "--nproc", str(WORLD), str(DRIVER),
-           "--in-job", "--dump", str(out / "dump"), "--out", str(out), "--steps",
-           str(STEPS), "--interval", str(INTERVAL), "--k", "1", "--kill-at", str(KILL_AT)]
+    cmd = [sys.executable, "-m", "moc", "run", "--nproc", str(WORLD), "--hang-timeout",
+           "5", str(DRIVER), "--in-job", "--dump", str(out / "dump"), "--out", str(out),
+           "--steps", str(STEPS), "--interval", str(INTERVAL), "--k", "1", "--kill-at",
+           str(KILL_AT), *fault]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     ref = losses(runs["reference"], 0, 0)

@@ -298,12 +298,14 @@ class KillAfterCheckpoint(Trainer):
     rank 1 SIGKILLs itself."""
 
     kill_at = 0
+    signal = signal.SIGKILL
+    """SIGSTOP (--stop): a hang, which only `moc run`'s heartbeat watch can end."""
 
     def should_continue_training(self) -> bool:
         if self.step == self.kill_at and attempt() == 0:
             self.checkpointer.maybe_wait_for_saving()  # torchtitan's own call
             if dist.get_rank() == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), self.signal)
         return super().should_continue_training()
 
 
@@ -370,6 +372,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--load-step", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--stop", action="store_true",
+                    help="with --kill-at: SIGSTOP rank 1 instead of SIGKILL (a hang)")
     ap.add_argument("--in-job", action="store_true",
                     help="under `moc run`: moc.integrations.torchtitan.run builds the "
                          "Trainer in each generation; a lost rank is replaced and the "
@@ -402,6 +406,7 @@ def make_trainer(a: argparse.Namespace, hf_assets: Path, losses_file: Path) -> T
     config = job_config(a, hf_assets, losses_file)
     if a.kill_at:
         KillAfterCheckpoint.kill_at = a.kill_at
+        KillAfterCheckpoint.signal = signal.SIGSTOP if a.stop else signal.SIGKILL
         return KillAfterCheckpoint(config)
     return config.build()
 
