@@ -55,7 +55,16 @@ class Listener:
     socket file left by an earlier process is replaced: the directory is the job's own,
     0700, checked by rank 0 before it started this process), admitting only holders of
     `secret`. Connections that pass the challenge wait in `accepted`; None there means
-    the listener was closed."""
+    the listener was closed.
+
+    The socket file is never removed by this process, at close or at exit: by then the
+    path may be the next persist process's. multiprocessing's listener unlinks its path
+    when closed or when the interpreter exits, and a persist process that outlived its
+    rank by a moment (it notices its parent's death by polling) removed the socket of
+    the process that had replaced it, which then listened on a name nobody could reach:
+    the new rank 0's engine waited 60 s and the job failed (issue 49, a spare taking
+    over rank 0 on 2 simulated nodes, about one run in four). A dead process's socket
+    file is replaced by the next bind, and goes with the job's directory."""
 
     def __init__(self, jdir: Path | str, secret: bytes) -> None:
         self.jdir = str(jdir)
@@ -63,6 +72,10 @@ class Listener:
         if os.path.lexists(path):
             os.unlink(path)
         self._listener = mpc.Listener(path, family="AF_UNIX", authkey=secret)
+        unlink = getattr(self._listener._listener, "_unlink", None)  # util.Finalize
+        if unlink is not None:
+            unlink.cancel()
+            self._listener._listener._unlink = None
         self.accepted: Queue[mpc.Connection | None] = Queue()
         threading.Thread(target=self._accept, daemon=True, name="moc-persist-accept").start()
 
